@@ -1,0 +1,498 @@
+//! The etcd key schema: every key etcfs writes, in one table, with encoders/decoders.
+//!
+//! ```text
+//! All keys live under "<prefix>/" (prefix from --prefix, default "etcfs"; it may not
+//! contain '/', so "a/" and "ab/" never overlap). After the prefix comes one tag byte.
+//! Integers are fixed-width BIG-endian so byte order equals numeric order: an inode's
+//! extents list by offset and a range over a tag lists its keys by number.
+//!
+//! key                          value (codec.rs)        lease          written by
+//! <p>/S                        SuperRecord             -              mkfs
+//! <p>/C                        InoCounter (next free)  -              pipeline, CAS +1024
+//! <p>/I<ino:8>                 InodeAttr               -              create/setattr/link/...
+//! <p>/D<parent:8><name>        Dentry {ino, type}      -              create/link/unlink/rename
+//! <p>/P<dir:8>                 DirParent {parent}      -              mkdir/rename (dirs only)
+//! <p>/L<ino:8>                 SymlinkTarget           -              symlink
+//! <p>/X<ino:8><name>           XattrValue              -              setxattr/removexattr
+//! <p>/E<ino:8><file_off:8>     Extent {len, dev_off,   -              write/fallocate/punch/
+//!                                      unwritten}                     truncate
+//! <p>/M<session:8>             NodeRecord              the session's  Session::register
+//! <p>/G<group:4>               GroupOwner {session}    owner's lease  Session::claim_group
+//! <p>/O<ino:8>                 Orphan {session}        -              unlink-while-open
+//! ```
+//!
+//! Why this shape:
+//! * A directory's entries are exactly the keys with prefix `<p>/D<parent>`: one range
+//!   request returns the whole name set (the fs caps it at 4096), listed in byte order of
+//!   the name, which is readdir's order. Lookup is one point read.
+//! * Readdir offsets: entries are listed in name order and a page resumes *after a name*
+//!   (`range [dentry(parent, name) + "\0", end)`), so a position stays valid while other
+//!   names are added or removed: nothing is renumbered. The 63-bit FUSE offset for an
+//!   entry is [`dir_cookie`] (a stable hash of the name, never 0, 1 or 2 so "." and ".."
+//!   can use 1 and 2). The fs keeps, per open directory handle, the cookie → name of the
+//!   entries it returned, resumes after that name, and for an unknown cookie (an old
+//!   `telldir`) scans the name set for the name with that hash.
+//! * Directory parents live in their own `P` key rather than in the inode, so the
+//!   ancestor walk that stops `rename` from moving a directory into its own subtree
+//!   compares only keys that change when directories move, not the (frequently
+//!   re-timestamped) inodes.
+//! * Liveness is etcd leases: `M` and `G` keys carry the owning session's lease and vanish
+//!   when it expires. Orphans (`O`) do not: they must outlive a crash so that another node
+//!   can see that the owner session is gone and reclaim the inode.
+
+use std::fmt::Write as _;
+
+use crate::types::{GroupId, Ino, SessionId};
+
+/// Tag bytes, one per row of the table above. Part of the on-etcd format.
+mod tag {
+    pub(super) const SUPER: u8 = b'S';
+    pub(super) const COUNTER: u8 = b'C';
+    pub(super) const INODE: u8 = b'I';
+    pub(super) const DENTRY: u8 = b'D';
+    pub(super) const DIR_PARENT: u8 = b'P';
+    pub(super) const SYMLINK: u8 = b'L';
+    pub(super) const XATTR: u8 = b'X';
+    pub(super) const EXTENT: u8 = b'E';
+    pub(super) const MEMBER: u8 = b'M';
+    pub(super) const GROUP: u8 = b'G';
+    pub(super) const ORPHAN: u8 = b'O';
+}
+
+/// The default filesystem prefix.
+pub const DEFAULT_PREFIX: &str = "etcfs";
+/// Longest allowed prefix (bytes).
+pub const PREFIX_LEN_MAX: usize = 64;
+
+/// A half-open key range `[start, end)`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KeyRange {
+    /// First key in the range.
+    pub start: Vec<u8>,
+    /// First key after the range.
+    pub end: Vec<u8>,
+}
+
+/// A decoded key: which table row it is and its fields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyKind {
+    /// `S`
+    Super,
+    /// `C`
+    InoCounter,
+    /// `I<ino>`
+    Inode(Ino),
+    /// `D<parent><name>`
+    Dentry(Ino, Vec<u8>),
+    /// `P<dir>`
+    DirParent(Ino),
+    /// `L<ino>`
+    Symlink(Ino),
+    /// `X<ino><name>`
+    Xattr(Ino, Vec<u8>),
+    /// `E<ino><off>`
+    Extent(Ino, u64),
+    /// `M<session>`
+    Member(SessionId),
+    /// `G<group>`
+    Group(GroupId),
+    /// `O<ino>`
+    Orphan(Ino),
+}
+
+/// Error for an unusable `--prefix`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid prefix {0:?}: 1..=64 bytes of [A-Za-z0-9._-]")]
+pub struct BadPrefix(pub String);
+
+/// The key space of one filesystem: builds and parses keys under `<prefix>/`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keyspace {
+    /// `<prefix>/`
+    root: Vec<u8>,
+}
+
+impl Keyspace {
+    /// A key space for `prefix` (validated: no '/', printable, bounded).
+    pub fn new(prefix: &str) -> Result<Self, BadPrefix> {
+        let ok = !prefix.is_empty()
+            && prefix.len() <= PREFIX_LEN_MAX
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+        if !ok {
+            return Err(BadPrefix(prefix.to_owned()));
+        }
+        let mut root = prefix.as_bytes().to_vec();
+        root.push(b'/');
+        Ok(Keyspace { root })
+    }
+
+    /// The bytes every key of this filesystem starts with (`<prefix>/`).
+    pub fn root(&self) -> &[u8] {
+        &self.root
+    }
+
+    /// Every key of this filesystem.
+    pub fn all(&self) -> KeyRange {
+        KeyRange {
+            start: self.root.clone(),
+            end: prefix_end(&self.root),
+        }
+    }
+
+    fn key(&self, tag: u8, cap: usize) -> Vec<u8> {
+        let mut k = Vec::with_capacity(self.root.len() + 1 + cap);
+        k.extend_from_slice(&self.root);
+        k.push(tag);
+        k
+    }
+
+    fn key_u64(&self, tag: u8, n: u64) -> Vec<u8> {
+        let mut k = self.key(tag, 8);
+        k.extend_from_slice(&n.to_be_bytes());
+        k
+    }
+
+    fn range_u64(&self, tag: u8, n: u64) -> KeyRange {
+        let start = self.key_u64(tag, n);
+        KeyRange {
+            end: prefix_end(&start),
+            start,
+        }
+    }
+
+    fn range_tag(&self, tag: u8) -> KeyRange {
+        let start = self.key(tag, 0);
+        KeyRange {
+            end: prefix_end(&start),
+            start,
+        }
+    }
+
+    /// `S`: the superblock record.
+    pub fn superblock(&self) -> Vec<u8> {
+        self.key(tag::SUPER, 0)
+    }
+
+    /// `C`: the inode-number counter.
+    pub fn ino_counter(&self) -> Vec<u8> {
+        self.key(tag::COUNTER, 0)
+    }
+
+    /// `I<ino>`: an inode's attributes.
+    pub fn inode(&self, ino: Ino) -> Vec<u8> {
+        self.key_u64(tag::INODE, ino.0)
+    }
+
+    /// All inode keys (fsck, orphan scans).
+    pub fn inodes(&self) -> KeyRange {
+        self.range_tag(tag::INODE)
+    }
+
+    /// `D<parent><name>`: one directory entry.
+    pub fn dentry(&self, parent: Ino, name: &[u8]) -> Vec<u8> {
+        let mut k = self.key(tag::DENTRY, 8 + name.len());
+        k.extend_from_slice(&parent.0.to_be_bytes());
+        k.extend_from_slice(name);
+        k
+    }
+
+    /// Every entry of directory `parent`, in name order.
+    pub fn dentries(&self, parent: Ino) -> KeyRange {
+        self.range_u64(tag::DENTRY, parent.0)
+    }
+
+    /// The entries of `parent` strictly after `name` (a readdir resume point).
+    pub fn dentries_after(&self, parent: Ino, name: &[u8]) -> KeyRange {
+        let mut start = self.dentry(parent, name);
+        start.push(0);
+        KeyRange {
+            start,
+            end: self.dentries(parent).end,
+        }
+    }
+
+    /// `P<dir>`: a directory's parent.
+    pub fn dir_parent(&self, dir: Ino) -> Vec<u8> {
+        self.key_u64(tag::DIR_PARENT, dir.0)
+    }
+
+    /// `L<ino>`: a symlink's target.
+    pub fn symlink(&self, ino: Ino) -> Vec<u8> {
+        self.key_u64(tag::SYMLINK, ino.0)
+    }
+
+    /// `X<ino><name>`: one extended attribute.
+    pub fn xattr(&self, ino: Ino, name: &[u8]) -> Vec<u8> {
+        let mut k = self.key(tag::XATTR, 8 + name.len());
+        k.extend_from_slice(&ino.0.to_be_bytes());
+        k.extend_from_slice(name);
+        k
+    }
+
+    /// All xattrs of `ino`.
+    pub fn xattrs(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::XATTR, ino.0)
+    }
+
+    /// `E<ino><off>`: the extent starting at file offset `off`.
+    pub fn extent(&self, ino: Ino, off: u64) -> Vec<u8> {
+        let mut k = self.key(tag::EXTENT, 16);
+        k.extend_from_slice(&ino.0.to_be_bytes());
+        k.extend_from_slice(&off.to_be_bytes());
+        k
+    }
+
+    /// All extents of `ino`, in offset order.
+    pub fn extents(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::EXTENT, ino.0)
+    }
+
+    /// Extents of `ino` starting in `[from, to)` (`to == u64::MAX` means to the end).
+    pub fn extents_between(&self, ino: Ino, from: u64, to: u64) -> KeyRange {
+        let end = if to == u64::MAX {
+            self.extents(ino).end
+        } else {
+            self.extent(ino, to)
+        };
+        KeyRange {
+            start: self.extent(ino, from),
+            end,
+        }
+    }
+
+    /// `M<session>`: a live node's membership record.
+    pub fn member(&self, session: SessionId) -> Vec<u8> {
+        self.key_u64(tag::MEMBER, session.0)
+    }
+
+    /// All membership records.
+    pub fn members(&self) -> KeyRange {
+        self.range_tag(tag::MEMBER)
+    }
+
+    /// `G<group>`: an allocation group's owner.
+    pub fn group(&self, group: GroupId) -> Vec<u8> {
+        let mut k = self.key(tag::GROUP, 4);
+        k.extend_from_slice(&group.0.to_be_bytes());
+        k
+    }
+
+    /// All group-owner records.
+    pub fn groups(&self) -> KeyRange {
+        self.range_tag(tag::GROUP)
+    }
+
+    /// `O<ino>`: an unlinked-but-open inode.
+    pub fn orphan(&self, ino: Ino) -> Vec<u8> {
+        self.key_u64(tag::ORPHAN, ino.0)
+    }
+
+    /// All orphan records.
+    pub fn orphans(&self) -> KeyRange {
+        self.range_tag(tag::ORPHAN)
+    }
+
+    /// Decodes a key of this key space. `None` for foreign or malformed keys.
+    pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
+        let rest = key.strip_prefix(self.root.as_slice())?;
+        let (&t, body) = rest.split_first()?;
+        let u64_at = |b: &[u8]| -> Option<u64> { Some(u64::from_be_bytes(b.try_into().ok()?)) };
+        Some(match t {
+            tag::SUPER if body.is_empty() => KeyKind::Super,
+            tag::COUNTER if body.is_empty() => KeyKind::InoCounter,
+            tag::INODE => KeyKind::Inode(Ino(u64_at(body)?)),
+            tag::DIR_PARENT => KeyKind::DirParent(Ino(u64_at(body)?)),
+            tag::SYMLINK => KeyKind::Symlink(Ino(u64_at(body)?)),
+            tag::ORPHAN => KeyKind::Orphan(Ino(u64_at(body)?)),
+            tag::MEMBER => KeyKind::Member(SessionId(u64_at(body)?)),
+            tag::DENTRY | tag::XATTR => {
+                let (n, name) = (body.get(..8)?, body.get(8..)?);
+                if name.is_empty() {
+                    return None;
+                }
+                let n = Ino(u64_at(n)?);
+                if t == tag::DENTRY {
+                    KeyKind::Dentry(n, name.to_vec())
+                } else {
+                    KeyKind::Xattr(n, name.to_vec())
+                }
+            }
+            tag::EXTENT => {
+                let (i, o) = (body.get(..8)?, body.get(8..)?);
+                KeyKind::Extent(Ino(u64_at(i)?), u64_at(o)?)
+            }
+            tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
+            _ => return None,
+        })
+    }
+
+    /// A human-readable rendering of a key for logs and errors (`etcfs/I 42`,
+    /// `etcfs/D 1 "name"`); unknown keys are escaped bytes.
+    pub fn describe(&self, key: &[u8]) -> String {
+        let p = String::from_utf8_lossy(&self.root);
+        match self.parse(key) {
+            Some(KeyKind::Super) => format!("{p}S"),
+            Some(KeyKind::InoCounter) => format!("{p}C"),
+            Some(KeyKind::Inode(i)) => format!("{p}I {i}"),
+            Some(KeyKind::Dentry(i, n)) => format!("{p}D {i} {:?}", String::from_utf8_lossy(&n)),
+            Some(KeyKind::DirParent(i)) => format!("{p}P {i}"),
+            Some(KeyKind::Symlink(i)) => format!("{p}L {i}"),
+            Some(KeyKind::Xattr(i, n)) => format!("{p}X {i} {:?}", String::from_utf8_lossy(&n)),
+            Some(KeyKind::Extent(i, o)) => format!("{p}E {i} @{o}"),
+            Some(KeyKind::Member(s)) => format!("{p}M {s}"),
+            Some(KeyKind::Group(g)) => format!("{p}G {}", g.0),
+            Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
+            None => escape(key),
+        }
+    }
+}
+
+/// The smallest key greater than every key starting with `prefix` (etcd's "prefix end").
+/// An all-0xff prefix has no end; etcd spells that "\0" (every key from start on).
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+/// The readdir cookie (FUSE offset) of the entry named `name`: a stable 63-bit FNV-1a
+/// hash, never 0 (start), 1 (".") or 2 (".."). See the module docs for how resumption
+/// works; the hash is part of the format because cookies outlive a daemon restart in
+/// NFS-style consumers.
+pub fn dir_cookie(name: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in name {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let h = h >> 1;
+    if h < 3 {
+        h + 3
+    } else {
+        h
+    }
+}
+
+fn escape(key: &[u8]) -> String {
+    let mut s = String::with_capacity(key.len());
+    for &b in key {
+        if b.is_ascii_graphic() {
+            s.push(char::from(b));
+        } else {
+            let _ = write!(s, "\\x{b:02x}");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ks() -> Keyspace {
+        Keyspace::new("etcfs").expect("valid prefix")
+    }
+
+    #[test]
+    fn prefix_validation() {
+        assert!(Keyspace::new("").is_err());
+        assert!(Keyspace::new("a/b").is_err());
+        assert!(Keyspace::new(&"x".repeat(65)).is_err());
+        assert!(Keyspace::new("fs-1.test_x").is_ok());
+    }
+
+    #[test]
+    fn round_trip_every_kind() {
+        let k = ks();
+        let cases = vec![
+            (k.superblock(), KeyKind::Super),
+            (k.ino_counter(), KeyKind::InoCounter),
+            (k.inode(Ino(7)), KeyKind::Inode(Ino(7))),
+            (
+                k.dentry(Ino(1), b"a\xffb"),
+                KeyKind::Dentry(Ino(1), b"a\xffb".to_vec()),
+            ),
+            (k.dir_parent(Ino(9)), KeyKind::DirParent(Ino(9))),
+            (k.symlink(Ino(3)), KeyKind::Symlink(Ino(3))),
+            (
+                k.xattr(Ino(3), b"user.x"),
+                KeyKind::Xattr(Ino(3), b"user.x".to_vec()),
+            ),
+            (k.extent(Ino(3), 4096), KeyKind::Extent(Ino(3), 4096)),
+            (k.member(SessionId(5)), KeyKind::Member(SessionId(5))),
+            (k.group(GroupId(2)), KeyKind::Group(GroupId(2))),
+            (k.orphan(Ino(4)), KeyKind::Orphan(Ino(4))),
+        ];
+        for (key, kind) in cases {
+            assert_eq!(k.parse(&key), Some(kind), "{}", k.describe(&key));
+        }
+        assert_eq!(k.parse(b"other/I12345678"), None);
+        assert_eq!(k.parse(b"etcfs/I123"), None);
+        assert_eq!(k.parse(b"etcfs/Z"), None);
+        assert_eq!(k.describe(&k.dentry(Ino(1), b"x")), "etcfs/D 1 \"x\"");
+    }
+
+    #[test]
+    fn dentries_range_covers_exactly_one_dir_in_name_order() {
+        let k = ks();
+        let r = k.dentries(Ino(256));
+        let inside = [k.dentry(Ino(256), b"a"), k.dentry(Ino(256), b"\xff\xff")];
+        for key in &inside {
+            assert!(r.start <= *key && *key < r.end);
+        }
+        for other in [
+            k.dentry(Ino(255), b"z"),
+            k.dentry(Ino(257), b"a"),
+            k.inode(Ino(256)),
+        ] {
+            assert!(!(r.start <= other && other < r.end));
+        }
+        assert!(k.dentry(Ino(256), b"a") < k.dentry(Ino(256), b"ab"));
+        assert!(k.dentry(Ino(256), b"ab") < k.dentry(Ino(256), b"b"));
+        let after = k.dentries_after(Ino(256), b"a");
+        assert!(after.start > k.dentry(Ino(256), b"a"));
+        assert!(after.start <= k.dentry(Ino(256), b"a\x01"));
+    }
+
+    #[test]
+    fn extents_sort_numerically() {
+        let k = ks();
+        assert!(k.extent(Ino(1), 4096) < k.extent(Ino(1), 65536));
+        assert!(k.extent(Ino(1), u64::MAX) < k.extent(Ino(2), 0));
+        let r = k.extents_between(Ino(1), 10, 20);
+        assert!(r.start <= k.extent(Ino(1), 10) && k.extent(Ino(1), 19) < r.end);
+        assert!(k.extent(Ino(1), 20) >= r.end);
+    }
+
+    #[test]
+    fn prefixes_do_not_overlap() {
+        let a = Keyspace::new("a").expect("valid");
+        let ab = Keyspace::new("ab").expect("valid");
+        let r = a.all();
+        assert!(!(r.start <= ab.inode(Ino(1)) && ab.inode(Ino(1)) < r.end));
+    }
+
+    #[test]
+    fn prefix_end_cases() {
+        assert_eq!(prefix_end(b"ab"), b"ac".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff"), vec![0]);
+    }
+
+    #[test]
+    fn cookie_is_stable_and_avoids_reserved() {
+        assert_eq!(dir_cookie(b"hello"), dir_cookie(b"hello"));
+        assert_ne!(dir_cookie(b"hello"), dir_cookie(b"hellp"));
+        for n in 0..1000u32 {
+            let c = dir_cookie(n.to_string().as_bytes());
+            assert!((3..(1 << 63)).contains(&c));
+        }
+    }
+}
