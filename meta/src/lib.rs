@@ -9,4 +9,6 @@ pub mod etcd;
 pub mod keys;
 pub mod kv;
 pub mod model;
+pub mod pipeline;
+pub mod reader;
 pub mod types;

@@ -1,0 +1,874 @@
+//! The committer: the pipeline thread's single task.
+//!
+//! Stages (all in this one task, joined by bounded queues): intake (the submission
+//! channel) → plan (pure, [`super::plan::plan`]) → read (batched range reads for plans
+//! that need them) → group (pack independent plans into one txn) → commit (several txns
+//! in flight) → settle (complete tickets, refresh or re-plan conflicted mutations,
+//! register coalesced directory timestamps).
+
+use std::{
+    collections::{BTreeMap, HashMap, VecDeque},
+    sync::{atomic::Ordering, Arc},
+    time::Duration,
+};
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use tokio::{sync::Notify, task::JoinSet};
+
+use super::{
+    mutation::{Mutation, Outcome},
+    plan::{freed_from_kvs, plan, Plan, PlanCtx, Planned, Snapshot, EXTENTS_PER_MUTATION_MAX},
+    ticket::Completer,
+    Config, Stats,
+};
+use crate::{
+    clock::Clock,
+    error::{KvError, MetaError},
+    keys::Keyspace,
+    kv::{
+        ranges_overlap, CompareOp, CompareTarget, KvBackend, RangeRequest, Txn, TxnOp,
+        TxnOpResponse, TxnResponse,
+    },
+    types::{Ino, Revision, SessionId, Timespec},
+};
+
+/// A request from a submitter.
+pub(crate) enum Request {
+    Mutate {
+        m: Mutation,
+        done: Completer<Outcome>,
+    },
+    Flush {
+        dir: Option<Ino>,
+        done: Completer<()>,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AKind {
+    /// Depends only on whether the key exists.
+    ReadExist,
+    /// Depends on the key's value/revision.
+    ReadValue,
+    /// Rewrites an existing key (existence unchanged).
+    WriteValue,
+    /// Creates or deletes keys.
+    WriteExist,
+}
+
+#[derive(Clone, Debug)]
+struct Access {
+    start: Vec<u8>,
+    end: Option<Vec<u8>>,
+    kind: AKind,
+}
+
+fn accesses(p: &Plan) -> Vec<Access> {
+    let mut out = Vec::with_capacity(p.compares.len() + p.ops.len());
+    for c in &p.compares {
+        let exist_only = c.range_end.is_none() && matches!(c.target, CompareTarget::Version(0));
+        out.push(Access {
+            start: c.key.clone(),
+            end: c.range_end.clone(),
+            kind: if exist_only {
+                AKind::ReadExist
+            } else {
+                AKind::ReadValue
+            },
+        });
+    }
+    for op in &p.ops {
+        match op {
+            TxnOp::Put(put) => {
+                let known_existing = p.compares.iter().any(|c| {
+                    c.key == put.key
+                        && c.range_end.is_none()
+                        && c.op == CompareOp::Equal
+                        && matches!(c.target, CompareTarget::ModRevision(r) if r > 0)
+                });
+                out.push(Access {
+                    start: put.key.clone(),
+                    end: None,
+                    kind: if known_existing {
+                        AKind::WriteValue
+                    } else {
+                        AKind::WriteExist
+                    },
+                });
+            }
+            TxnOp::Delete(d) => out.push(Access {
+                start: d.key.clone(),
+                end: d.range_end.clone(),
+                kind: AKind::WriteExist,
+            }),
+            TxnOp::Range(_) => {}
+        }
+    }
+    out
+}
+
+fn kinds_conflict(a: AKind, b: AKind) -> bool {
+    use AKind::*;
+    // Reads never conflict with reads; an existence check does not conflict with a
+    // rewrite of an existing key. Everything else does.
+    !matches!(
+        (a, b),
+        (ReadExist | ReadValue, ReadExist | ReadValue)
+            | (ReadExist, WriteValue)
+            | (WriteValue, ReadExist)
+    )
+}
+
+fn conflict(a: &[Access], b: &[Access]) -> bool {
+    a.iter().any(|x| {
+        b.iter().any(|y| {
+            kinds_conflict(x.kind, y.kind)
+                && ranges_overlap(&x.start, x.end.as_deref(), &y.start, y.end.as_deref())
+        })
+    })
+}
+
+enum St {
+    /// Needs (re-)planning.
+    Plan,
+    /// Waiting for a batched read.
+    Reading,
+    /// Planned, waiting for a transaction slot.
+    Ready(Box<Plan>, Vec<Access>),
+    /// In a transaction in flight.
+    InFlight,
+}
+
+struct Work {
+    m: Mutation,
+    done: Option<Completer<Outcome>>,
+    snap: Snapshot,
+    ino: Option<Ino>,
+    attempts: u32,
+    /// Must be alone in its transaction (a grouped send was rejected as too large).
+    solo: bool,
+    st: St,
+    needs: Vec<RangeRequest>,
+}
+
+struct Member {
+    id: u64,
+    op_start: usize,
+    plan: Plan,
+    accesses: Vec<Access>,
+}
+
+enum TaskDone {
+    Read {
+        reqs: Vec<(u64, RangeRequest)>,
+        result: Result<TxnResponse, KvError>,
+    },
+    Txn {
+        members: Vec<Member>,
+        failure_reqs: Vec<RangeRequest>,
+        result: Result<TxnResponse, KvError>,
+    },
+}
+
+struct TouchEntry {
+    mtime: Option<Timespec>,
+    ctime: Timespec,
+    due: Duration,
+    /// Smallest work id whose commit contributed (flush barriers wait for those).
+    min_id: u64,
+}
+
+struct Barrier {
+    limit: u64,
+    extra: Vec<u64>,
+    dir: Option<Ino>,
+    done: Option<Completer<()>>,
+}
+
+enum Ev {
+    Wake,
+    Task(Option<Result<TaskDone, tokio::task::JoinError>>),
+    Tick,
+}
+
+pub(crate) struct Committer {
+    pub(crate) kv: Arc<dyn KvBackend>,
+    pub(crate) keys: Keyspace,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) session: SessionId,
+    pub(crate) cfg: Config,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) rx: Receiver<Request>,
+    pub(crate) notify: Arc<Notify>,
+    next_id: u64,
+    works: BTreeMap<u64, Work>,
+    pool: VecDeque<(u64, u64)>,
+    reserving: bool,
+    touches: HashMap<Ino, TouchEntry>,
+    barriers: Vec<Barrier>,
+    tasks: JoinSet<TaskDone>,
+    txns_in_flight: usize,
+    reads_in_flight: usize,
+    inflight: Vec<(u64, Vec<Access>)>,
+    closed: bool,
+}
+
+impl Committer {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        kv: Arc<dyn KvBackend>,
+        keys: Keyspace,
+        clock: Arc<dyn Clock>,
+        session: SessionId,
+        cfg: Config,
+        stats: Arc<Stats>,
+        rx: Receiver<Request>,
+        notify: Arc<Notify>,
+    ) -> Self {
+        Committer {
+            kv,
+            keys,
+            clock,
+            session,
+            cfg,
+            stats,
+            rx,
+            notify,
+            next_id: 1,
+            works: BTreeMap::new(),
+            pool: VecDeque::new(),
+            reserving: false,
+            touches: HashMap::new(),
+            barriers: Vec::new(),
+            tasks: JoinSet::new(),
+            txns_in_flight: 0,
+            reads_in_flight: 0,
+            inflight: Vec::new(),
+            closed: false,
+        }
+    }
+
+    pub(crate) async fn run(mut self) {
+        let period = Duration::from_millis((self.cfg.flush_interval_ms / 4).clamp(1, 250));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let notify = self.notify.clone();
+        loop {
+            self.intake();
+            self.step();
+            self.check_barriers();
+            if self.closed
+                && self.works.is_empty()
+                && self.tasks.is_empty()
+                && self.touches.is_empty()
+            {
+                break;
+            }
+            let ev = tokio::select! {
+                () = notify.notified() => Ev::Wake,
+                r = self.tasks.join_next(), if !self.tasks.is_empty() => Ev::Task(r),
+                _ = tick.tick() => Ev::Tick,
+            };
+            match ev {
+                Ev::Wake => {}
+                Ev::Task(Some(Ok(done))) => self.on_task(done),
+                Ev::Task(Some(Err(e))) => log::error!("pipeline task failed: {e}"),
+                Ev::Task(None) => {}
+                Ev::Tick => self.on_tick(),
+            }
+        }
+        // Anything left (only possible if tasks panicked) is answered by Completer drops.
+    }
+
+    fn add_work(&mut self, m: Mutation, done: Option<Completer<Outcome>>) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.works.insert(
+            id,
+            Work {
+                m,
+                done,
+                snap: Snapshot::default(),
+                ino: None,
+                attempts: 0,
+                solo: false,
+                st: St::Plan,
+                needs: Vec::new(),
+            },
+        );
+        id
+    }
+
+    fn intake(&mut self) {
+        while self.works.len() < self.cfg.pending_max {
+            match self.rx.try_recv() {
+                Ok(Request::Mutate { m, done }) => {
+                    self.add_work(m, Some(done));
+                }
+                Ok(Request::Flush { dir, done }) => {
+                    let limit = self.next_id;
+                    let mut b = Barrier {
+                        limit,
+                        extra: Vec::new(),
+                        dir,
+                        done: Some(done),
+                    };
+                    // Timestamps already pending are written now, not at their interval.
+                    let due: Vec<Ino> = self
+                        .touches
+                        .keys()
+                        .copied()
+                        .filter(|i| dir.is_none_or(|d| d == *i))
+                        .collect();
+                    for ino in due {
+                        if let Some(id) = self.emit_touch(ino) {
+                            b.extra.push(id);
+                        }
+                    }
+                    self.barriers.push(b);
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    if !self.closed {
+                        self.closed = true;
+                        // Unmount: write every pending timestamp before exiting.
+                        let all: Vec<Ino> = self.touches.keys().copied().collect();
+                        for ino in all {
+                            self.emit_touch(ino);
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+        self.stats
+            .pending
+            .store(self.works.len() as u64, Ordering::Relaxed);
+    }
+
+    fn emit_touch(&mut self, ino: Ino) -> Option<u64> {
+        let e = self.touches.remove(&ino)?;
+        self.stats.touches_written.fetch_add(1, Ordering::Relaxed);
+        Some(self.add_work(
+            Mutation::Touch {
+                ino,
+                mtime: e.mtime,
+                ctime: e.ctime,
+            },
+            None,
+        ))
+    }
+
+    fn touch(&mut self, ino: Ino, mtime: bool, id: u64) {
+        let now = self.clock.wall();
+        if let Some(e) = self.touches.get_mut(&ino) {
+            if mtime {
+                e.mtime = Some(e.mtime.map_or(now, |m| m.max(now)));
+            }
+            e.ctime = e.ctime.max(now);
+            e.min_id = e.min_id.min(id);
+            self.stats.touches_coalesced.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let entry = TouchEntry {
+            mtime: mtime.then_some(now),
+            ctime: now,
+            due: self.clock.mono() + Duration::from_millis(self.cfg.flush_interval_ms),
+            min_id: id,
+        };
+        self.touches.insert(ino, entry);
+        if self.touches.len() > self.cfg.dir_touch_pending_max {
+            // Bounded: past the limit, write this one now instead of coalescing.
+            self.emit_touch(ino);
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = self.clock.mono();
+        let due: Vec<Ino> = self
+            .touches
+            .iter()
+            .filter(|(_, e)| e.due <= now)
+            .map(|(&i, _)| i)
+            .collect();
+        for ino in due {
+            self.emit_touch(ino);
+        }
+    }
+
+    fn check_barriers(&mut self) {
+        let mut i = 0;
+        while i < self.barriers.len() {
+            let Some(b) = self.barriers.get(i) else { break };
+            let (limit, dir) = (b.limit, b.dir);
+            let earlier_pending = self.works.range(..limit).next().is_some();
+            if earlier_pending {
+                i += 1;
+                continue;
+            }
+            // Timestamps registered by mutations the barrier covers are written too.
+            let owed: Vec<Ino> = self
+                .touches
+                .iter()
+                .filter(|(ino, e)| e.min_id < limit && dir.is_none_or(|d| d == **ino))
+                .map(|(&ino, _)| ino)
+                .collect();
+            let mut new_ids = Vec::new();
+            for ino in owed {
+                if let Some(id) = self.emit_touch(ino) {
+                    new_ids.push(id);
+                }
+            }
+            let works = &self.works;
+            let Some(b) = self.barriers.get_mut(i) else {
+                break;
+            };
+            b.extra.extend(new_ids);
+            b.extra.retain(|id| works.contains_key(id));
+            if b.extra.is_empty() {
+                if let Some(done) = b.done.take() {
+                    done.complete(Ok(()));
+                }
+                self.barriers.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn pool_take(&mut self) -> Option<Ino> {
+        let (start, end) = self.pool.front_mut()?;
+        let ino = *start;
+        *start += 1;
+        if start == end {
+            self.pool.pop_front();
+        }
+        Some(Ino(ino))
+    }
+
+    fn pool_left(&self) -> u64 {
+        self.pool.iter().map(|(s, e)| e - s).sum()
+    }
+
+    fn step(&mut self) {
+        self.plan_all();
+        self.launch_reads();
+        self.launch_txns();
+    }
+
+    fn finish(&mut self, id: u64, r: Result<Outcome, MetaError>) {
+        if let Some(w) = self.works.remove(&id) {
+            match &r {
+                Ok(_) => self
+                    .stats
+                    .mutations_committed
+                    .fetch_add(1, Ordering::Relaxed),
+                Err(_) => self.stats.mutations_failed.fetch_add(1, Ordering::Relaxed),
+            };
+            if let Mutation::ReserveInos { .. } = w.m {
+                self.reserving = false;
+                match &r {
+                    Ok(o) => {
+                        if let Some(range) = o.inos {
+                            self.pool.push_back(range);
+                            self.stats
+                                .ino_blocks_reserved
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) => log::warn!("inode number reservation failed: {e}"),
+                }
+            }
+            if let Some(done) = w.done {
+                done.complete(r);
+            }
+        }
+    }
+
+    fn plan_all(&mut self) {
+        // Keep a reservation ahead of demand so creates rarely wait for one.
+        let waiting_inos = self
+            .works
+            .values()
+            .filter(|w| w.m.needs_ino() && w.ino.is_none())
+            .count() as u64;
+        if !self.reserving && self.pool_left() < self.cfg.ino_batch / 4 + waiting_inos {
+            self.reserving = true;
+            self.add_work(
+                Mutation::ReserveInos {
+                    count: self.cfg.ino_batch,
+                },
+                None,
+            );
+        }
+        let ids: Vec<u64> = self
+            .works
+            .iter()
+            .filter(|(_, w)| matches!(w.st, St::Plan))
+            .map(|(&id, _)| id)
+            .collect();
+        let now = self.clock.wall();
+        for id in ids {
+            let needs_ino = self
+                .works
+                .get(&id)
+                .is_some_and(|w| w.m.needs_ino() && w.ino.is_none());
+            if needs_ino {
+                match self.pool_take() {
+                    Some(ino) => {
+                        if let Some(w) = self.works.get_mut(&id) {
+                            w.ino = Some(ino);
+                        }
+                    }
+                    None => continue,
+                }
+            }
+            let Some(w) = self.works.get_mut(&id) else {
+                continue;
+            };
+            let ctx = PlanCtx {
+                keys: &self.keys,
+                now,
+                session: self.session,
+                new_ino: w.ino,
+                block_size: self.cfg.block_size,
+            };
+            match plan(&w.m, &w.snap, &ctx) {
+                Planned::Ready(p) => {
+                    if p.ops.is_empty() {
+                        let mut o = p.outcome;
+                        o.revision = Revision(0);
+                        self.finish(id, Ok(o));
+                        continue;
+                    }
+                    let too_big = p.compares.len() > self.cfg.batch_ops_max
+                        || p.ops.len() > self.cfg.batch_ops_max
+                        || plan_bytes(&p) > self.cfg.txn_bytes_max;
+                    if too_big {
+                        self.finish(id, Err(MetaError::TooBig));
+                        continue;
+                    }
+                    let acc = accesses(&p);
+                    w.st = St::Ready(Box::new(p), acc);
+                }
+                Planned::Need(reqs) => {
+                    w.needs = reqs;
+                    w.st = St::Reading;
+                }
+                Planned::Fail(e) => self.finish(id, Err(e)),
+            }
+        }
+    }
+
+    fn launch_reads(&mut self) {
+        while self.reads_in_flight < self.cfg.reads_in_flight_max {
+            let mut reqs: Vec<(u64, RangeRequest)> = Vec::new();
+            for (&id, w) in self.works.iter_mut() {
+                if !matches!(w.st, St::Reading) || w.needs.is_empty() {
+                    continue;
+                }
+                if reqs.len() + w.needs.len() > self.cfg.batch_ops_max && !reqs.is_empty() {
+                    break;
+                }
+                for r in w.needs.drain(..) {
+                    reqs.push((id, r));
+                }
+            }
+            if reqs.is_empty() {
+                return;
+            }
+            self.reads_in_flight += 1;
+            self.stats.read_txns.fetch_add(1, Ordering::Relaxed);
+            let txn = Txn {
+                success: reqs.iter().map(|(_, r)| TxnOp::Range(r.clone())).collect(),
+                ..Default::default()
+            };
+            let kv = self.kv.clone();
+            self.tasks.spawn(async move {
+                let result = kv.txn(txn).await;
+                TaskDone::Read { reqs, result }
+            });
+        }
+    }
+
+    fn launch_txns(&mut self) {
+        let mut blocked: Vec<Access> = Vec::new();
+        let ready: Vec<u64> = self
+            .works
+            .iter()
+            .filter(|(_, w)| matches!(w.st, St::Ready(..)))
+            .map(|(&id, _)| id)
+            .collect();
+        let mut ready = ready.into_iter().peekable();
+        while self.txns_in_flight < self.cfg.txns_in_flight_max && ready.peek().is_some() {
+            let mut members: Vec<Member> = Vec::new();
+            let (mut n_cmp, mut n_ops, mut bytes) = (0usize, 0usize, 0usize);
+            let mut batch_acc: Vec<Access> = Vec::new();
+            let mut skipped: Vec<u64> = Vec::new();
+            for id in ready.by_ref() {
+                let Some(w) = self.works.get(&id) else {
+                    continue;
+                };
+                let St::Ready(p, acc) = &w.st else { continue };
+                let busy =
+                    self.inflight.iter().any(|(_, a)| conflict(a, acc)) || conflict(&blocked, acc);
+                if busy {
+                    // Keep submission order among conflicting mutations: later ones that
+                    // touch the same keys wait behind this one.
+                    blocked.extend(acc.iter().cloned());
+                    continue;
+                }
+                let fits = n_cmp + p.compares.len() <= self.cfg.batch_ops_max
+                    && n_ops + p.ops.len() <= self.cfg.batch_ops_max
+                    && bytes + plan_bytes(p) <= self.cfg.txn_bytes_max;
+                if conflict(&batch_acc, acc) || !fits || (w.solo && !members.is_empty()) {
+                    skipped.push(id);
+                    if !fits {
+                        break;
+                    }
+                    continue;
+                }
+                let solo = w.solo;
+                let Some(w) = self.works.get_mut(&id) else {
+                    continue;
+                };
+                let St::Ready(p, acc) = std::mem::replace(&mut w.st, St::InFlight) else {
+                    continue;
+                };
+                n_cmp += p.compares.len();
+                n_ops += p.ops.len();
+                bytes += plan_bytes(&p);
+                batch_acc.extend(acc.iter().cloned());
+                members.push(Member {
+                    id,
+                    op_start: 0,
+                    plan: *p,
+                    accesses: acc,
+                });
+                if solo {
+                    break;
+                }
+            }
+            // Skipped works go to the next batch of this round.
+            let rest: Vec<u64> = skipped.into_iter().chain(ready).collect();
+            ready = rest.into_iter().peekable();
+            if members.is_empty() {
+                break;
+            }
+            self.send_batch(members, batch_acc);
+        }
+    }
+
+    fn send_batch(&mut self, mut members: Vec<Member>, acc: Vec<Access>) {
+        let mut txn = Txn::default();
+        let mut failure_reqs: Vec<RangeRequest> = Vec::new();
+        for m in &mut members {
+            m.op_start = txn.success.len();
+            txn.compares.extend(m.plan.compares.iter().cloned());
+            txn.success.extend(m.plan.ops.iter().cloned());
+            for c in &m.plan.compares {
+                // The failure branch reads every compared key so that a conflict can be
+                // pinned on the mutations that caused it, without another round trip.
+                let req = RangeRequest {
+                    key: c.key.clone(),
+                    range_end: c.range_end.clone(),
+                    limit: if c.range_end.is_some() {
+                        EXTENTS_PER_MUTATION_MAX as i64 + 1
+                    } else {
+                        0
+                    },
+                    ..Default::default()
+                };
+                if !failure_reqs.contains(&req) {
+                    failure_reqs.push(req);
+                }
+            }
+        }
+        txn.failure = failure_reqs.iter().cloned().map(TxnOp::Range).collect();
+        // In-flight batches are identified by their first member's id (unique: a work is
+        // in at most one batch at a time).
+        let first_id = members.first().map_or(0, |m| m.id);
+        self.inflight.push((first_id, acc));
+        self.txns_in_flight += 1;
+        self.stats
+            .txns_in_flight
+            .store(self.txns_in_flight as u64, Ordering::Relaxed);
+        let kv = self.kv.clone();
+        self.tasks.spawn(async move {
+            let result = kv.txn(txn).await;
+            TaskDone::Txn {
+                members,
+                failure_reqs,
+                result,
+            }
+        });
+    }
+
+    fn on_task(&mut self, done: TaskDone) {
+        match done {
+            TaskDone::Read { reqs, result } => {
+                self.reads_in_flight -= 1;
+                match result {
+                    Ok(resp) => {
+                        for ((id, req), r) in reqs.into_iter().zip(resp.responses) {
+                            let Some(w) = self.works.get_mut(&id) else {
+                                continue;
+                            };
+                            if let TxnOpResponse::Range(rr) = r {
+                                w.snap.insert(&req, rr);
+                            }
+                            w.st = St::Plan;
+                        }
+                    }
+                    Err(e) => {
+                        let mut ids: Vec<u64> = reqs.iter().map(|(id, _)| *id).collect();
+                        ids.dedup();
+                        for id in ids {
+                            self.finish(id, Err(e.clone().into()));
+                        }
+                    }
+                }
+            }
+            TaskDone::Txn {
+                members,
+                failure_reqs,
+                result,
+            } => {
+                self.txns_in_flight -= 1;
+                self.stats
+                    .txns_in_flight
+                    .store(self.txns_in_flight as u64, Ordering::Relaxed);
+                let first_id = members.first().map_or(0, |m| m.id);
+                self.inflight.retain(|(id, _)| *id != first_id);
+                match result {
+                    Ok(resp) if resp.succeeded => self.on_committed(members, resp),
+                    Ok(resp) => self.on_compare_failed(members, &failure_reqs, resp),
+                    Err(KvError::TooManyOps | KvError::RequestTooLarge) if members.len() > 1 => {
+                        // Our size estimate was off: resend each mutation on its own.
+                        for m in members {
+                            if let Some(w) = self.works.get_mut(&m.id) {
+                                w.solo = true;
+                                w.st = St::Ready(Box::new(m.plan), m.accesses);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        // Unknown whether it applied: report, never blindly resend.
+                        self.stats.txn_errors.fetch_add(1, Ordering::Relaxed);
+                        for m in members {
+                            self.finish(m.id, Err(e.clone().into()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_committed(&mut self, members: Vec<Member>, resp: TxnResponse) {
+        let n = members.len() as u64;
+        self.stats.record_txn(n);
+        let mut written: Vec<Access> = Vec::new();
+        for m in members {
+            written.extend(
+                m.accesses
+                    .iter()
+                    .filter(|a| matches!(a.kind, AKind::WriteExist | AKind::WriteValue))
+                    .cloned(),
+            );
+            let mut o = m.plan.outcome;
+            o.revision = Revision(resp.revision);
+            for idx in &m.plan.freed_from_ops {
+                if let Some(TxnOpResponse::Delete { prev_kvs, .. }) =
+                    resp.responses.get(m.op_start + idx)
+                {
+                    o.freed.extend(freed_from_kvs(&self.keys, prev_kvs));
+                }
+            }
+            for (ino, mtime) in &m.plan.touch {
+                self.touch(*ino, *mtime, m.id);
+            }
+            self.finish(m.id, Ok(o));
+        }
+        // Plans made from what these writes replaced are stale: re-read those keys.
+        for w in self.works.values_mut() {
+            let stale = match &w.st {
+                St::Ready(_, acc) => conflict(acc, &written),
+                St::Plan | St::Reading => false,
+                St::InFlight => continue,
+            };
+            for a in &written {
+                w.snap.invalidate(&a.start, a.end.as_deref());
+            }
+            if stale {
+                w.st = St::Plan;
+            }
+        }
+    }
+
+    fn on_compare_failed(
+        &mut self,
+        members: Vec<Member>,
+        failure_reqs: &[RangeRequest],
+        resp: TxnResponse,
+    ) {
+        self.stats.compare_failures.fetch_add(1, Ordering::Relaxed);
+        let fresh: Vec<(&RangeRequest, &crate::kv::RangeResponse)> = failure_reqs
+            .iter()
+            .zip(resp.responses.iter())
+            .filter_map(|(req, r)| match r {
+                TxnOpResponse::Range(rr) => Some((req, rr)),
+                _ => None,
+            })
+            .collect();
+        let lookup = |c: &crate::kv::Compare| {
+            fresh
+                .iter()
+                .find(|(req, _)| req.key == c.key && req.range_end == c.range_end)
+                .map(|(_, r)| *r)
+        };
+        for m in members {
+            let Some(w) = self.works.get_mut(&m.id) else {
+                continue;
+            };
+            w.attempts += 1;
+            self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            let conflicted = m.plan.compares.iter().any(|c| match lookup(c) {
+                // A truncated range cannot prove the compare holds: assume conflict.
+                Some(r) => r.more || !c.eval(&r.kvs),
+                None => true,
+            });
+            if w.attempts > self.cfg.retries_max {
+                let attempts = w.attempts;
+                self.finish(m.id, Err(MetaError::Conflict { attempts }));
+                continue;
+            }
+            if conflicted {
+                self.stats
+                    .conflicted_mutations
+                    .fetch_add(1, Ordering::Relaxed);
+                for c in &m.plan.compares {
+                    w.snap.invalidate(&c.key, c.range_end.as_deref());
+                    if c.range_end.is_none() {
+                        if let Some(r) = lookup(c) {
+                            w.snap.insert_key(c.key.clone(), r.kvs.first().cloned());
+                        }
+                    }
+                }
+                w.st = St::Plan;
+            } else {
+                // Its compares still hold: resend the same plan with the next batch.
+                w.st = St::Ready(Box::new(m.plan), m.accesses);
+            }
+        }
+    }
+}
+
+fn plan_bytes(p: &Plan) -> usize {
+    let c: usize = p
+        .compares
+        .iter()
+        .map(|c| 32 + c.key.len() + c.range_end.as_ref().map_or(0, Vec::len))
+        .sum();
+    // Each compare also costs a failure-branch range of about the same size.
+    2 * c + p.ops.iter().map(TxnOp::size_bytes).sum::<usize>()
+}

@@ -1,0 +1,509 @@
+//! The batching pipeline: handlers submit [`Mutation`]s and get [`Ticket`]s; one thread
+//! with a small tokio runtime plans, groups and commits them to etcd. See the crate docs
+//! for the model and `docs/pipeline.md` for the stages.
+
+pub mod commit;
+pub mod mutation;
+pub mod plan;
+pub mod ticket;
+
+#[cfg(test)]
+mod plan_tests;
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    thread::JoinHandle,
+};
+
+use crossbeam_channel::{bounded, Sender, TrySendError};
+use tokio::sync::Notify;
+
+use self::{commit::Request, ticket::ticket};
+pub use self::{
+    mutation::{DevRange, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet, XattrMode},
+    plan::{plan, Plan, PlanCtx, Planned, Snapshot},
+    ticket::Ticket,
+};
+use crate::{
+    clock::Clock,
+    codec::{Dentry, Extent, InodeAttr},
+    error::{KvError, MetaError},
+    keys::Keyspace,
+    kv::{BoxFut, KvBackend, ETCD_REQUEST_BYTES_MAX, ETCD_TXN_OPS_MAX},
+    reader::{self, DirNames, DirPage},
+    types::{Ino, Revision, SessionId},
+};
+
+/// Pipeline limits. Every queue and batch is bounded; the unit is in the name.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Ops per transaction branch (and compares), ≤ etcd's `--max-txn-ops`.
+    pub batch_ops_max: usize,
+    /// Estimated request bytes per transaction, ≤ etcd's `--max-request-bytes`.
+    pub txn_bytes_max: usize,
+    /// Commit transactions in flight at once.
+    pub txns_in_flight_max: usize,
+    /// Batched read transactions in flight at once.
+    pub reads_in_flight_max: usize,
+    /// Mutations waiting in the submission queue (submitters feel back-pressure here).
+    pub submit_queue_max: usize,
+    /// Mutations being planned, read, retried or committed at once.
+    pub pending_max: usize,
+    /// A directory's coalesced mtime/ctime is written at most once per this interval.
+    pub flush_interval_ms: u64,
+    /// Directories with a pending coalesced timestamp (past it, timestamps are written
+    /// without coalescing).
+    pub dir_touch_pending_max: usize,
+    /// Times one mutation is re-planned/resent after compare failures.
+    pub retries_max: u32,
+    /// Inode numbers reserved per counter commit.
+    pub ino_batch: u64,
+    /// Filesystem block size in bytes (truncate frees whole blocks).
+    pub block_size: u64,
+    /// Reads (get/lookup/list) queued or running at once.
+    pub reads_queued_max: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            batch_ops_max: ETCD_TXN_OPS_MAX,
+            txn_bytes_max: ETCD_REQUEST_BYTES_MAX,
+            txns_in_flight_max: 8,
+            reads_in_flight_max: 4,
+            submit_queue_max: 4096,
+            pending_max: 1024,
+            flush_interval_ms: 1000,
+            dir_touch_pending_max: 4096,
+            retries_max: 32,
+            ino_batch: 1024,
+            block_size: 4096,
+            reads_queued_max: 4096,
+        }
+    }
+}
+
+/// Counters for `etcfs stats`. Updated with relaxed atomics; read with [`Stats::snapshot`].
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Commit transactions that succeeded.
+    pub txns_committed: AtomicU64,
+    /// Mutations completed successfully.
+    pub mutations_committed: AtomicU64,
+    /// Mutations completed with an error.
+    pub mutations_failed: AtomicU64,
+    /// Commit transactions whose compares failed.
+    pub compare_failures: AtomicU64,
+    /// Mutations resent or re-planned after a compare failure.
+    pub retries: AtomicU64,
+    /// Of those, mutations whose own compares had failed (re-planned).
+    pub conflicted_mutations: AtomicU64,
+    /// Batched read transactions.
+    pub read_txns: AtomicU64,
+    /// Transactions that failed with a backend error.
+    pub txn_errors: AtomicU64,
+    /// Directory timestamp updates absorbed by coalescing.
+    pub touches_coalesced: AtomicU64,
+    /// Coalesced timestamp writes issued.
+    pub touches_written: AtomicU64,
+    /// Inode-number blocks reserved.
+    pub ino_blocks_reserved: AtomicU64,
+    /// Mutations in committed transactions (sum, for the mean per txn).
+    pub mutations_in_txns: AtomicU64,
+    /// Largest number of mutations in one committed transaction.
+    pub mutations_per_txn_max: AtomicU64,
+    /// Histogram of mutations per committed txn: buckets 1, 2-3, 4-7, ..., 64-127, 128+.
+    pub mutations_per_txn_hist: [AtomicU64; 8],
+    /// Mutations currently inside the pipeline (gauge).
+    pub pending: AtomicU64,
+    /// Transactions in flight (gauge).
+    pub txns_in_flight: AtomicU64,
+}
+
+/// A plain copy of [`Stats`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// See [`Stats::txns_committed`].
+    pub txns_committed: u64,
+    /// See [`Stats::mutations_committed`].
+    pub mutations_committed: u64,
+    /// See [`Stats::mutations_failed`].
+    pub mutations_failed: u64,
+    /// See [`Stats::compare_failures`].
+    pub compare_failures: u64,
+    /// See [`Stats::retries`].
+    pub retries: u64,
+    /// See [`Stats::conflicted_mutations`].
+    pub conflicted_mutations: u64,
+    /// See [`Stats::read_txns`].
+    pub read_txns: u64,
+    /// See [`Stats::txn_errors`].
+    pub txn_errors: u64,
+    /// See [`Stats::touches_coalesced`].
+    pub touches_coalesced: u64,
+    /// See [`Stats::touches_written`].
+    pub touches_written: u64,
+    /// See [`Stats::ino_blocks_reserved`].
+    pub ino_blocks_reserved: u64,
+    /// See [`Stats::mutations_in_txns`].
+    pub mutations_in_txns: u64,
+    /// See [`Stats::mutations_per_txn_max`].
+    pub mutations_per_txn_max: u64,
+    /// See [`Stats::mutations_per_txn_hist`].
+    pub mutations_per_txn_hist: [u64; 8],
+    /// See [`Stats::pending`].
+    pub pending: u64,
+    /// See [`Stats::txns_in_flight`].
+    pub txns_in_flight: u64,
+}
+
+impl StatsSnapshot {
+    /// Mean mutations per committed transaction.
+    pub fn mutations_per_txn(&self) -> f64 {
+        if self.txns_committed == 0 {
+            0.0
+        } else {
+            self.mutations_in_txns as f64 / self.txns_committed as f64
+        }
+    }
+}
+
+impl Stats {
+    pub(crate) fn record_txn(&self, mutations: u64) {
+        self.txns_committed.fetch_add(1, Ordering::Relaxed);
+        self.mutations_in_txns
+            .fetch_add(mutations, Ordering::Relaxed);
+        self.mutations_per_txn_max
+            .fetch_max(mutations, Ordering::Relaxed);
+        let bucket = (63 - mutations.max(1).leading_zeros()).min(7) as usize;
+        if let Some(b) = self.mutations_per_txn_hist.get(bucket) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Copies the counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StatsSnapshot {
+            txns_committed: l(&self.txns_committed),
+            mutations_committed: l(&self.mutations_committed),
+            mutations_failed: l(&self.mutations_failed),
+            compare_failures: l(&self.compare_failures),
+            retries: l(&self.retries),
+            conflicted_mutations: l(&self.conflicted_mutations),
+            read_txns: l(&self.read_txns),
+            txn_errors: l(&self.txn_errors),
+            touches_coalesced: l(&self.touches_coalesced),
+            touches_written: l(&self.touches_written),
+            ino_blocks_reserved: l(&self.ino_blocks_reserved),
+            mutations_in_txns: l(&self.mutations_in_txns),
+            mutations_per_txn_max: l(&self.mutations_per_txn_max),
+            mutations_per_txn_hist: std::array::from_fn(|i| {
+                self.mutations_per_txn_hist.get(i).map_or(0, l)
+            }),
+            pending: l(&self.pending),
+            txns_in_flight: l(&self.txns_in_flight),
+        }
+    }
+}
+
+/// A factory for the backend, run on the pipeline's runtime (etcd-client's channels
+/// must live on the runtime that drives them).
+pub type Connect = Box<dyn FnOnce() -> BoxFut<'static, Result<Arc<dyn KvBackend>, KvError>> + Send>;
+
+/// The running pipeline: owns the thread. Drop or [`Pipeline::shutdown`] to stop it
+/// (pending timestamps are written first).
+pub struct Pipeline {
+    client: Option<MetaClient>,
+    thread: Option<JoinHandle<()>>,
+    runtime: tokio::runtime::Handle,
+    backend: Arc<dyn KvBackend>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline").finish_non_exhaustive()
+    }
+}
+
+/// The submitters' handle. Cheap to clone; one per core.
+#[derive(Clone)]
+pub struct MetaClient {
+    tx: Sender<Request>,
+    notify: Arc<Notify>,
+    stats: Arc<Stats>,
+    keys: Keyspace,
+    backend: Arc<dyn KvBackend>,
+    runtime: tokio::runtime::Handle,
+    reads_queued: Arc<AtomicU64>,
+    reads_queued_max: u64,
+}
+
+impl std::fmt::Debug for MetaClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetaClient").finish_non_exhaustive()
+    }
+}
+
+impl Pipeline {
+    /// Starts the pipeline thread, connects the backend on it (bounded by the backend's
+    /// own timeouts), and returns once it is ready.
+    pub fn start(
+        connect: Connect,
+        keys: Keyspace,
+        session: SessionId,
+        clock: Arc<dyn Clock>,
+        cfg: Config,
+    ) -> Result<Pipeline, MetaError> {
+        assert!(cfg.batch_ops_max >= 1 && cfg.batch_ops_max <= ETCD_TXN_OPS_MAX);
+        assert!(cfg.txn_bytes_max <= ETCD_REQUEST_BYTES_MAX);
+        assert!(cfg.txns_in_flight_max >= 1 && cfg.pending_max >= 1 && cfg.ino_batch >= 1);
+        let (tx, rx) = bounded(cfg.submit_queue_max);
+        let notify = Arc::new(Notify::new());
+        let stats = Arc::new(Stats::default());
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+        let (n2, s2, k2, c2) = (notify.clone(), stats.clone(), keys.clone(), cfg.clone());
+        let thread = std::thread::Builder::new()
+            .name("etcfs-meta".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(MetaError::Unavailable(e.to_string())));
+                        return;
+                    }
+                };
+                let backend = match rt.block_on(connect()) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.into()));
+                        return;
+                    }
+                };
+                let committer =
+                    commit::Committer::new(backend.clone(), k2, clock, session, c2, s2, rx, n2);
+                let _ = ready_tx.send(Ok((rt.handle().clone(), backend)));
+                rt.block_on(committer.run());
+            })
+            .map_err(|e| MetaError::Unavailable(format!("spawn pipeline thread: {e}")))?;
+        let (runtime, backend) = ready_rx
+            .recv()
+            .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))??;
+        let client = MetaClient {
+            tx,
+            notify,
+            stats,
+            keys,
+            backend: backend.clone(),
+            runtime: runtime.clone(),
+            reads_queued: Arc::new(AtomicU64::new(0)),
+            reads_queued_max: cfg.reads_queued_max as u64,
+        };
+        Ok(Pipeline {
+            client: Some(client),
+            thread: Some(thread),
+            runtime,
+            backend,
+        })
+    }
+
+    /// A submitter handle.
+    pub fn client(&self) -> MetaClient {
+        self.client
+            .clone()
+            .expect("client is only taken by shutdown, which consumes self")
+    }
+
+    /// The runtime the pipeline runs on (for the session's keepalive and watches).
+    pub fn runtime(&self) -> tokio::runtime::Handle {
+        self.runtime.clone()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> Arc<dyn KvBackend> {
+        self.backend.clone()
+    }
+
+    /// Writes pending timestamps, waits for everything submitted, stops the thread.
+    /// Clients still held elsewhere see `Closed` from then on.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(c) = self.client.take() {
+            if let Ok(t) = c.flush(None) {
+                let _ = t.wait();
+            }
+            drop(c);
+        }
+        // The thread exits when every sender is gone; other clones may still exist, so
+        // we only wait when we were the last one (join would otherwise block).
+        if let Some(t) = self.thread.take() {
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl MetaClient {
+    fn send(&self, r: Request, block: bool) -> Result<(), MetaError> {
+        let res = if block {
+            self.tx.send(r).map_err(|_| MetaError::Closed)
+        } else {
+            self.tx.try_send(r).map_err(|e| match e {
+                TrySendError::Full(_) => MetaError::QueueFull,
+                TrySendError::Disconnected(_) => MetaError::Closed,
+            })
+        };
+        if res.is_ok() {
+            self.notify.notify_one();
+        }
+        res
+    }
+
+    /// Submits a mutation without blocking; `QueueFull` when the submission queue is at
+    /// `submit_queue_max` (the caller parks the request and retries).
+    pub fn submit(&self, m: Mutation) -> Result<Ticket<Outcome>, MetaError> {
+        let (t, done) = ticket();
+        self.send(Request::Mutate { m, done }, false)?;
+        Ok(t)
+    }
+
+    /// Submits a mutation, blocking while the queue is full (back-pressure).
+    pub fn submit_blocking(&self, m: Mutation) -> Result<Ticket<Outcome>, MetaError> {
+        let (t, done) = ticket();
+        self.send(Request::Mutate { m, done }, true)?;
+        Ok(t)
+    }
+
+    /// Submits and waits for the commit.
+    pub fn commit(&self, m: Mutation) -> Result<Outcome, MetaError> {
+        self.submit_blocking(m)?.wait()
+    }
+
+    /// A flush barrier: completes when every mutation submitted before it has completed
+    /// and the coalesced timestamps they caused (of `dir`, or all) are written.
+    /// For fsync on a directory, syncfs and unmount.
+    pub fn flush(&self, dir: Option<Ino>) -> Result<Ticket<()>, MetaError> {
+        let (t, done) = ticket();
+        self.send(Request::Flush { dir, done }, true)?;
+        Ok(t)
+    }
+
+    /// The pipeline's counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    /// The key space.
+    pub fn keys(&self) -> &Keyspace {
+        &self.keys
+    }
+
+    /// Runs a read on the pipeline's runtime; the ticket completes with its result.
+    /// Reads are bounded by `reads_queued_max` (`QueueFull` beyond it).
+    pub fn read<T, F>(&self, f: F) -> Result<Ticket<T>, MetaError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<dyn KvBackend>, Keyspace) -> BoxFut<'static, Result<T, MetaError>>
+            + Send
+            + 'static,
+    {
+        if self.reads_queued.fetch_add(1, Ordering::AcqRel) >= self.reads_queued_max {
+            self.reads_queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(MetaError::QueueFull);
+        }
+        let (t, done) = ticket();
+        let (kv, keys, queued) = (
+            self.backend.clone(),
+            self.keys.clone(),
+            self.reads_queued.clone(),
+        );
+        self.runtime.spawn(async move {
+            let r = f(kv, keys).await;
+            queued.fetch_sub(1, Ordering::AcqRel);
+            done.complete(r);
+        });
+        Ok(t)
+    }
+
+    /// Reads an inode's attributes (None if absent) and their revision.
+    pub fn get_inode(&self, ino: Ino) -> Result<Ticket<Option<(InodeAttr, Revision)>>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::get_inode(&*kv, &keys, ino).await })
+        })
+    }
+
+    /// Looks up a name.
+    pub fn lookup(&self, parent: Ino, name: Vec<u8>) -> Result<Ticket<Option<Dentry>>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::lookup(&*kv, &keys, parent, &name).await })
+        })
+    }
+
+    /// Lists a page of a directory after `after`.
+    pub fn list_dir(
+        &self,
+        parent: Ino,
+        after: Option<Vec<u8>>,
+        limit: usize,
+    ) -> Result<Ticket<DirPage>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(
+                async move { reader::list_dir(&*kv, &keys, parent, after.as_deref(), limit).await },
+            )
+        })
+    }
+
+    /// Reads a directory's whole name set in one range, or `OverLimit` past `limit`.
+    pub fn dir_names(&self, parent: Ino, limit: usize) -> Result<Ticket<DirNames>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::dir_names(&*kv, &keys, parent, limit).await })
+        })
+    }
+
+    /// Reads up to `limit` extents from file offset `from`.
+    pub fn extents(
+        &self,
+        ino: Ino,
+        from: u64,
+        limit: usize,
+    ) -> Result<Ticket<(Vec<Extent>, bool)>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::extents(&*kv, &keys, ino, from, limit).await })
+        })
+    }
+
+    /// Reads a symlink target.
+    pub fn readlink(&self, ino: Ino) -> Result<Ticket<Option<Vec<u8>>>, MetaError> {
+        self.read(move |kv, keys| Box::pin(async move { reader::readlink(&*kv, &keys, ino).await }))
+    }
+
+    /// Reads one xattr.
+    pub fn get_xattr(&self, ino: Ino, name: Vec<u8>) -> Result<Ticket<Option<Vec<u8>>>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::get_xattr(&*kv, &keys, ino, &name).await })
+        })
+    }
+
+    /// Lists xattr names.
+    pub fn list_xattrs(&self, ino: Ino, limit: usize) -> Result<Ticket<Vec<Vec<u8>>>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::list_xattrs(&*kv, &keys, ino, limit).await })
+        })
+    }
+}

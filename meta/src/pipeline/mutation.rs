@@ -1,0 +1,243 @@
+//! The typed mutations handlers submit, and what each reports back.
+
+use crate::{
+    codec::InodeAttr,
+    types::{FileType, Ino, Revision, Timespec},
+};
+
+/// Attributes of an inode being created (times are set to the commit-planning time).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewInode {
+    /// File type (Directory makes this a mkdir, Symlink needs a target).
+    pub kind: FileType,
+    /// Permission bits (`mode & 0o7777`, after umask).
+    pub perm: u16,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Device number for device nodes.
+    pub rdev: u64,
+    /// Inode flags.
+    pub flags: u32,
+}
+
+/// How `rename` treats an existing destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RenameMode {
+    /// Replace an existing destination (plain rename(2)).
+    Replace,
+    /// Fail with `Exists` if the destination exists (RENAME_NOREPLACE).
+    NoReplace,
+    /// Swap source and destination, both must exist (RENAME_EXCHANGE).
+    Exchange,
+}
+
+/// A timestamp to set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimeSet {
+    /// The commit-planning time (UTIME_NOW).
+    Now,
+    /// An explicit time.
+    At(Timespec),
+}
+
+/// Attribute changes for [`Mutation::SetAttr`]; `None` leaves a field alone (UTIME_OMIT).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    /// New permission bits.
+    pub perm: Option<u16>,
+    /// New owner.
+    pub uid: Option<u32>,
+    /// New group.
+    pub gid: Option<u32>,
+    /// New size (truncate/extend); shrinking drops extents past the new end.
+    pub size: Option<u64>,
+    /// New atime.
+    pub atime: Option<TimeSet>,
+    /// New mtime.
+    pub mtime: Option<TimeSet>,
+    /// New inode flags.
+    pub flags: Option<u32>,
+}
+
+/// xattr set semantics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XattrMode {
+    /// Create or replace.
+    Any,
+    /// Fail with `Exists` if present (XATTR_CREATE).
+    Create,
+    /// Fail with `NotFound` if absent (XATTR_REPLACE).
+    Replace,
+}
+
+/// A device byte range released by a mutation (to be returned to its group's allocator).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DevRange {
+    /// Device offset in bytes.
+    pub dev_off: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// One filesystem metadata change. Each is atomic on its own: it commits entirely in one
+/// etcd transaction or not at all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mutation {
+    /// create/mknod/mkdir/symlink: a new inode (number assigned by the pipeline) and its
+    /// entry `name` in `parent`. The caller has checked that `parent` is a directory
+    /// (inode types never change and numbers are never reused, so the pipeline only
+    /// checks that `parent` still exists).
+    Create {
+        /// Directory to create in.
+        parent: Ino,
+        /// Entry name.
+        name: Vec<u8>,
+        /// The new inode.
+        inode: NewInode,
+        /// Symlink target (required iff `inode.kind` is Symlink).
+        symlink: Option<Vec<u8>>,
+    },
+    /// link: a new name for an existing non-directory.
+    Link {
+        /// The inode.
+        ino: Ino,
+        /// Directory of the new name.
+        parent: Ino,
+        /// The new name.
+        name: Vec<u8>,
+    },
+    /// unlink (`dir == false`) or rmdir (`dir == true`).
+    Unlink {
+        /// Directory holding the name.
+        parent: Ino,
+        /// The name.
+        name: Vec<u8>,
+        /// rmdir semantics (must be an empty directory).
+        dir: bool,
+        /// This node still has the file open: on the last link, keep the inode with an
+        /// orphan record owned by this session instead of deleting it.
+        keep_open: bool,
+    },
+    /// rename/renameat2.
+    Rename {
+        /// Source directory.
+        src_parent: Ino,
+        /// Source name.
+        src_name: Vec<u8>,
+        /// Destination directory.
+        dst_parent: Ino,
+        /// Destination name.
+        dst_name: Vec<u8>,
+        /// Replace / NoReplace / Exchange.
+        mode: RenameMode,
+        /// A replaced destination is open on this node (see `Unlink::keep_open`).
+        dst_keep_open: bool,
+    },
+    /// setattr.
+    SetAttr {
+        /// The inode.
+        ino: Ino,
+        /// Changes.
+        set: SetAttr,
+    },
+    /// setxattr.
+    SetXattr {
+        /// The inode.
+        ino: Ino,
+        /// Attribute name.
+        name: Vec<u8>,
+        /// Value.
+        value: Vec<u8>,
+        /// Create/replace semantics.
+        mode: XattrMode,
+    },
+    /// removexattr.
+    RemoveXattr {
+        /// The inode.
+        ino: Ino,
+        /// Attribute name.
+        name: Vec<u8>,
+    },
+    /// Replace the mapping of file bytes `[off, off + len)` with `extents` (empty for a
+    /// hole punch; `unwritten` extents for fallocate; a written extent after the data is
+    /// durable on the device). Optionally raise the size and set mtime/ctime.
+    SetExtents {
+        /// The inode.
+        ino: Ino,
+        /// Start of the replaced range.
+        off: u64,
+        /// Length of the replaced range.
+        len: u64,
+        /// New extents, sorted, inside the range, non-overlapping.
+        extents: Vec<crate::codec::Extent>,
+        /// Raise the file size to at least this.
+        size_at_least: Option<u64>,
+        /// Set mtime and ctime to now (a data write).
+        touch_mtime: bool,
+    },
+    /// Delete an orphan inode (last close, or reclaim after its session died).
+    ReclaimOrphan {
+        /// The inode.
+        ino: Ino,
+    },
+    /// Write coalesced timestamps (never moves a time backwards).
+    Touch {
+        /// The inode.
+        ino: Ino,
+        /// New mtime, if it changed.
+        mtime: Option<Timespec>,
+        /// New ctime.
+        ctime: Timespec,
+    },
+    /// Reserve `count` inode numbers (the pipeline does this itself, 1024 at a time).
+    ReserveInos {
+        /// How many.
+        count: u64,
+    },
+}
+
+impl Mutation {
+    /// Whether the pipeline must assign a fresh inode number before planning.
+    pub fn needs_ino(&self) -> bool {
+        matches!(self, Mutation::Create { .. })
+    }
+
+    /// Short name for logs and stats.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Mutation::Create { .. } => "create",
+            Mutation::Link { .. } => "link",
+            Mutation::Unlink { dir: false, .. } => "unlink",
+            Mutation::Unlink { dir: true, .. } => "rmdir",
+            Mutation::Rename { .. } => "rename",
+            Mutation::SetAttr { .. } => "setattr",
+            Mutation::SetXattr { .. } => "setxattr",
+            Mutation::RemoveXattr { .. } => "removexattr",
+            Mutation::SetExtents { .. } => "set_extents",
+            Mutation::ReclaimOrphan { .. } => "reclaim_orphan",
+            Mutation::Touch { .. } => "touch",
+            Mutation::ReserveInos { .. } => "reserve_inos",
+        }
+    }
+}
+
+/// What a committed mutation did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    /// The etcd revision of the commit (0 for a mutation that changed nothing).
+    pub revision: Revision,
+    /// The inode the mutation was about (the new inode for Create).
+    pub ino: Option<Ino>,
+    /// The inode's attributes after the commit, if it still exists.
+    pub attr: Option<InodeAttr>,
+    /// An inode whose last link went away and that was deleted.
+    pub removed: Option<Ino>,
+    /// An inode whose last link went away and that was kept as an orphan.
+    pub orphaned: Option<Ino>,
+    /// Device ranges no longer referenced (return them to the allocator).
+    pub freed: Vec<DevRange>,
+    /// Reserved inode numbers `[start, end)` (ReserveInos).
+    pub inos: Option<(u64, u64)>,
+}

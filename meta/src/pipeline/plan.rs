@@ -1,0 +1,1114 @@
+//! `plan`: a PURE function from one mutation and a snapshot of what it read to the
+//! compares and ops of its share of an etcd transaction.
+//!
+//! The snapshot is a map of keys and ranges read at some revision. When the snapshot
+//! lacks something the mutation needs, `plan` says which reads it needs
+//! ([`Planned::Need`]); the committer reads them (batched with other mutations' reads)
+//! and calls `plan` again. Every value the plan depends on is guarded by a compare
+//! (usually `mod_revision == seen`), so a plan made from a stale snapshot can only fail
+//! its compares, never commit a wrong result. Blind mutations (a plain create) need no
+//! reads at all: they compare "name absent" and "parent exists" and write.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::{
+    codec::{
+        decode_at, Dentry, DirParent, Extent, InoCounter, InodeAttr, Owner, Record, SymlinkTarget,
+        XattrValue,
+    },
+    error::MetaError,
+    keys::Keyspace,
+    kv::{Compare, KeyValue, RangeRequest, RangeResponse, TxnOp},
+    pipeline::mutation::{DevRange, Mutation, Outcome, RenameMode, TimeSet, XattrMode},
+    types::{name_is_valid, FileType, Ino, SessionId, Timespec, XATTR_NAME_LEN_MAX},
+};
+
+/// Most extents one SetExtents may touch (keeps one mutation well inside a txn).
+pub const EXTENTS_PER_MUTATION_MAX: usize = 48;
+/// Deepest directory nesting the rename subtree check walks.
+pub const DIR_DEPTH_MAX: usize = 96;
+
+/// Key of a range read in the snapshot.
+type RangeKey = (Vec<u8>, Option<Vec<u8>>, i64, bool);
+
+fn range_key(r: &RangeRequest) -> RangeKey {
+    (r.key.clone(), r.range_end.clone(), r.limit, r.descending)
+}
+
+/// What a mutation has read: single keys (present or known absent) and ranges.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    keys: HashMap<Vec<u8>, Option<KeyValue>>,
+    ranges: HashMap<RangeKey, RangeResponse>,
+}
+
+impl Snapshot {
+    /// Records the answer to `req`.
+    pub fn insert(&mut self, req: &RangeRequest, resp: RangeResponse) {
+        if req.range_end.is_none() {
+            self.keys
+                .insert(req.key.clone(), resp.kvs.into_iter().next());
+        } else {
+            self.ranges.insert(range_key(req), resp);
+        }
+    }
+
+    /// Records a single key's value (None = absent).
+    pub fn insert_key(&mut self, key: Vec<u8>, kv: Option<KeyValue>) {
+        self.keys.insert(key, kv);
+    }
+
+    /// Forgets everything overlapping `[start, end)` (or the single key), so the next
+    /// plan re-reads it.
+    pub fn invalidate(&mut self, start: &[u8], end: Option<&[u8]>) {
+        self.keys.retain(|k, _| !crate::kv::in_range(start, end, k));
+        self.ranges
+            .retain(|(s, e, _, _), _| !crate::kv::ranges_overlap(s, e.as_deref(), start, end));
+    }
+
+    /// Forgets everything.
+    pub fn clear(&mut self) {
+        self.keys.clear();
+        self.ranges.clear();
+    }
+
+    fn key(&self, k: &[u8]) -> Option<Option<&KeyValue>> {
+        self.keys.get(k).map(Option::as_ref)
+    }
+
+    fn range(&self, r: &RangeRequest) -> Option<&RangeResponse> {
+        self.ranges.get(&range_key(r))
+    }
+}
+
+/// Inputs to `plan` besides the mutation and the snapshot.
+#[derive(Clone, Debug)]
+pub struct PlanCtx<'a> {
+    /// The key space.
+    pub keys: &'a Keyspace,
+    /// Time to stamp on changed inodes.
+    pub now: Timespec,
+    /// This node's session (orphan ownership).
+    pub session: SessionId,
+    /// The inode number reserved for a Create.
+    pub new_ino: Option<Ino>,
+    /// Filesystem block size: truncation frees whole blocks only.
+    pub block_size: u64,
+}
+
+/// A mutation's share of a transaction.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    /// Conditions that make the plan valid.
+    pub compares: Vec<Compare>,
+    /// Writes.
+    pub ops: Vec<TxnOp>,
+    /// Indices into `ops` of range deletes whose `prev_kvs` are freed extents.
+    pub freed_from_ops: Vec<usize>,
+    /// Directories (or inodes) whose mtime/ctime should be coalesced-touched after the
+    /// commit, with whether mtime changes too.
+    pub touch: Vec<(Ino, bool)>,
+    /// The outcome (revision filled in at commit).
+    pub outcome: Outcome,
+}
+
+/// The result of planning.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "built once per plan call, moved not copied"
+)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum Planned {
+    /// Ready to commit.
+    Ready(Plan),
+    /// These reads are needed first.
+    Need(Vec<RangeRequest>),
+    /// The mutation fails with this error (nothing to commit).
+    Fail(MetaError),
+}
+
+enum Stop {
+    Need(Vec<RangeRequest>),
+    Fail(MetaError),
+}
+
+impl From<MetaError> for Stop {
+    fn from(e: MetaError) -> Self {
+        Stop::Fail(e)
+    }
+}
+
+type R<T> = Result<T, Stop>;
+
+struct P<'a> {
+    snap: &'a Snapshot,
+    ctx: &'a PlanCtx<'a>,
+    plan: Plan,
+}
+
+impl<'a> P<'a> {
+    fn keys(&self) -> &'a Keyspace {
+        self.ctx.keys
+    }
+
+    /// Makes sure every request is in the snapshot, asking for all missing ones at once.
+    fn need(&self, reqs: &[RangeRequest]) -> R<()> {
+        let missing: Vec<RangeRequest> = reqs
+            .iter()
+            .filter(|r| {
+                if r.range_end.is_none() {
+                    self.snap.key(&r.key).is_none()
+                } else {
+                    self.snap.range(r).is_none()
+                }
+            })
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(Stop::Need(missing))
+        }
+    }
+
+    fn kv(&self, key: &[u8]) -> R<Option<&'a KeyValue>> {
+        match self.snap.key(key) {
+            Some(v) => Ok(v),
+            None => Err(Stop::Need(vec![RangeRequest::key(key.to_vec())])),
+        }
+    }
+
+    /// For blind compares: if a failed commit told us the key's state, fail the way the
+    /// compare would (so a retry reports Exists/NotFound instead of looping).
+    fn expect_absent(&self, key: &[u8]) -> R<()> {
+        match self.snap.key(key) {
+            Some(Some(_)) => Err(Stop::Fail(MetaError::Exists)),
+            _ => Ok(()),
+        }
+    }
+
+    fn expect_present(&self, key: &[u8]) -> R<()> {
+        match self.snap.key(key) {
+            Some(None) => Err(Stop::Fail(MetaError::NotFound)),
+            _ => Ok(()),
+        }
+    }
+
+    fn range(&self, req: RangeRequest) -> R<&'a RangeResponse> {
+        match self.snap.range(&req) {
+            Some(r) => Ok(r),
+            None => Err(Stop::Need(vec![req])),
+        }
+    }
+
+    fn decode<T: Record>(&self, kv: &KeyValue) -> R<T> {
+        Ok(decode_at::<T>(self.keys(), &kv.key, &kv.value)?)
+    }
+
+    /// The inode and its mod revision, or None if absent.
+    fn inode(&self, ino: Ino) -> R<Option<(InodeAttr, i64)>> {
+        let key = self.keys().inode(ino);
+        let Some(kv) = self.kv(&key)? else {
+            return Ok(None);
+        };
+        let attr: InodeAttr = self.decode(kv)?;
+        if attr.ino != ino {
+            return Err(Stop::Fail(MetaError::Corrupt {
+                key: self.keys().describe(&key),
+                reason: format!("inode record says ino {}", attr.ino),
+            }));
+        }
+        Ok(Some((attr, kv.mod_revision)))
+    }
+
+    fn dentry(&self, parent: Ino, name: &[u8]) -> R<Option<(Dentry, i64)>> {
+        let key = self.keys().dentry(parent, name);
+        let Some(kv) = self.kv(&key)? else {
+            return Ok(None);
+        };
+        Ok(Some((self.decode(kv)?, kv.mod_revision)))
+    }
+
+    fn compare(&mut self, c: Compare) {
+        if !self.plan.compares.contains(&c) {
+            self.plan.compares.push(c);
+        }
+    }
+
+    fn put<T: Record>(&mut self, key: Vec<u8>, rec: &T) {
+        self.plan.ops.push(TxnOp::put(key, rec.encode()));
+    }
+
+    fn delete(&mut self, key: Vec<u8>) {
+        self.plan.ops.push(TxnOp::delete(key));
+    }
+
+    fn delete_range(&mut self, r: crate::keys::KeyRange, freed: bool) {
+        if freed {
+            self.plan.freed_from_ops.push(self.plan.ops.len());
+        }
+        self.plan
+            .ops
+            .push(TxnOp::delete_range(r.start, r.end, freed));
+    }
+
+    /// Deletes an inode and everything hanging off it; extents are reported freed.
+    fn delete_inode_tree(&mut self, ino: Ino, kind: FileType) {
+        let k = self.keys();
+        self.delete(k.inode(ino));
+        self.delete_range(k.xattrs(ino), false);
+        match kind {
+            FileType::Symlink => self.delete(k.symlink(ino)),
+            FileType::Directory => self.delete(k.dir_parent(ino)),
+            FileType::Regular => self.delete_range(k.extents(ino), true),
+            _ => {}
+        }
+        self.plan.outcome.removed = Some(ino);
+    }
+
+    /// Drops one link of a non-directory: decrement, orphan, or delete.
+    fn drop_link(&mut self, mut attr: InodeAttr, keep_open: bool) {
+        let k = self.keys();
+        attr.ctime = self.ctx.now;
+        if attr.nlink > 1 {
+            attr.nlink -= 1;
+            self.put(k.inode(attr.ino), &attr);
+            self.plan.outcome.attr = Some(attr);
+        } else if keep_open {
+            attr.nlink = 0;
+            self.put(k.inode(attr.ino), &attr);
+            self.put(
+                k.orphan(attr.ino),
+                &Owner {
+                    session: self.ctx.session,
+                },
+            );
+            self.plan.outcome.orphaned = Some(attr.ino);
+            self.plan.outcome.attr = Some(attr);
+        } else {
+            self.delete_inode_tree(attr.ino, attr.kind);
+        }
+    }
+}
+
+fn check_name(name: &[u8]) -> R<()> {
+    if name_is_valid(name) {
+        Ok(())
+    } else {
+        Err(Stop::Fail(MetaError::Invalid("invalid name")))
+    }
+}
+
+fn time(t: TimeSet, now: Timespec) -> R<Timespec> {
+    let t = match t {
+        TimeSet::Now => now,
+        TimeSet::At(t) => t,
+    };
+    if t.is_valid() {
+        Ok(t)
+    } else {
+        Err(Stop::Fail(MetaError::Invalid("nanoseconds out of range")))
+    }
+}
+
+fn round_up(n: u64, to: u64) -> u64 {
+    if to <= 1 {
+        return n;
+    }
+    n.div_ceil(to).saturating_mul(to)
+}
+
+/// Plans one mutation against a snapshot. Pure: same inputs, same output.
+pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
+    let mut p = P {
+        snap,
+        ctx,
+        plan: Plan::default(),
+    };
+    let r = match m {
+        Mutation::Create {
+            parent,
+            name,
+            inode,
+            symlink,
+        } => plan_create(&mut p, *parent, name, inode, symlink.as_deref()),
+        Mutation::Link { ino, parent, name } => plan_link(&mut p, *ino, *parent, name),
+        Mutation::Unlink {
+            parent,
+            name,
+            dir,
+            keep_open,
+        } => plan_unlink(&mut p, *parent, name, *dir, *keep_open),
+        Mutation::Rename {
+            src_parent,
+            src_name,
+            dst_parent,
+            dst_name,
+            mode,
+            dst_keep_open,
+        } => plan_rename(
+            &mut p,
+            *src_parent,
+            src_name,
+            *dst_parent,
+            dst_name,
+            *mode,
+            *dst_keep_open,
+        ),
+        Mutation::SetAttr { ino, set } => plan_setattr(&mut p, *ino, set),
+        Mutation::SetXattr {
+            ino,
+            name,
+            value,
+            mode,
+        } => plan_setxattr(&mut p, *ino, name, Some(value), *mode),
+        Mutation::RemoveXattr { ino, name } => {
+            plan_setxattr(&mut p, *ino, name, None, XattrMode::Replace)
+        }
+        Mutation::SetExtents {
+            ino,
+            off,
+            len,
+            extents,
+            size_at_least,
+            touch_mtime,
+        } => plan_extents(
+            &mut p,
+            *ino,
+            *off,
+            *len,
+            extents,
+            *size_at_least,
+            *touch_mtime,
+        ),
+        Mutation::ReclaimOrphan { ino } => plan_reclaim(&mut p, *ino),
+        Mutation::Touch { ino, mtime, ctime } => plan_touch(&mut p, *ino, *mtime, *ctime),
+        Mutation::ReserveInos { count } => plan_reserve(&mut p, *count),
+    };
+    match r {
+        Ok(()) => Planned::Ready(p.plan),
+        Err(Stop::Need(n)) => Planned::Need(n),
+        Err(Stop::Fail(e)) => Planned::Fail(e),
+    }
+}
+
+fn plan_create(
+    p: &mut P<'_>,
+    parent: Ino,
+    name: &[u8],
+    new: &crate::pipeline::mutation::NewInode,
+    symlink: Option<&[u8]>,
+) -> R<()> {
+    check_name(name)?;
+    let k = p.keys();
+    let ino = p
+        .ctx
+        .new_ino
+        .ok_or(Stop::Fail(MetaError::Invalid("no inode number reserved")))?;
+    if new.perm > 0o7777 {
+        return Err(Stop::Fail(MetaError::Invalid(
+            "permission bits out of range",
+        )));
+    }
+    let now = p.ctx.now;
+    let is_dir = new.kind == FileType::Directory;
+    let attr = InodeAttr {
+        ino,
+        kind: new.kind,
+        perm: new.perm,
+        uid: new.uid,
+        gid: new.gid,
+        size: symlink.map_or(0, |s| s.len() as u64),
+        nlink: if is_dir { 2 } else { 1 },
+        atime: now,
+        mtime: now,
+        ctime: now,
+        crtime: now,
+        rdev: new.rdev,
+        generation: 1,
+        flags: new.flags,
+    };
+    if is_dir {
+        // mkdir bumps the parent's link count, so it reads and compares the parent.
+        let (mut pattr, prev) = p.inode(parent)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+        if pattr.kind != FileType::Directory {
+            return Err(Stop::Fail(MetaError::NotDir));
+        }
+        p.compare(Compare::mod_rev(k.inode(parent), prev));
+        pattr.nlink = pattr.nlink.saturating_add(1);
+        pattr.mtime = now;
+        pattr.ctime = now;
+        p.put(k.inode(parent), &pattr);
+        p.put(k.dir_parent(ino), &DirParent { parent });
+    } else {
+        // Existence is enough: types never change and numbers are never reused.
+        p.expect_present(&k.inode(parent))?;
+        p.compare(Compare::exists(k.inode(parent)));
+        p.plan.touch.push((parent, true));
+    }
+    p.expect_absent(&k.dentry(parent, name))?;
+    p.compare(Compare::absent(k.dentry(parent, name)));
+    match (new.kind, symlink) {
+        (FileType::Symlink, Some(t)) => {
+            let target = SymlinkTarget(t.to_vec());
+            if target.validate().is_err() {
+                return Err(Stop::Fail(MetaError::Invalid("symlink target length")));
+            }
+            p.put(k.symlink(ino), &target);
+        }
+        (FileType::Symlink, None) | (_, Some(_)) => {
+            return Err(Stop::Fail(MetaError::Invalid("symlink target iff symlink")));
+        }
+        _ => {}
+    }
+    p.put(k.inode(ino), &attr);
+    p.put(
+        k.dentry(parent, name),
+        &Dentry {
+            ino,
+            kind: new.kind,
+        },
+    );
+    p.plan.outcome.ino = Some(ino);
+    p.plan.outcome.attr = Some(attr);
+    Ok(())
+}
+
+fn plan_link(p: &mut P<'_>, ino: Ino, parent: Ino, name: &[u8]) -> R<()> {
+    check_name(name)?;
+    let k = p.keys();
+    let (mut attr, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    if attr.kind == FileType::Directory {
+        return Err(Stop::Fail(MetaError::IsDir));
+    }
+    if attr.nlink == 0 {
+        // An orphan cannot be linked back (Linux: ENOENT on linkat of an unlinked file
+        // without O_TMPFILE).
+        return Err(Stop::Fail(MetaError::NotFound));
+    }
+    p.expect_present(&k.inode(parent))?;
+    p.expect_absent(&k.dentry(parent, name))?;
+    p.compare(Compare::mod_rev(k.inode(ino), rev));
+    p.compare(Compare::exists(k.inode(parent)));
+    p.compare(Compare::absent(k.dentry(parent, name)));
+    attr.nlink = attr.nlink.saturating_add(1);
+    attr.ctime = p.ctx.now;
+    p.put(k.inode(ino), &attr);
+    p.put(
+        k.dentry(parent, name),
+        &Dentry {
+            ino,
+            kind: attr.kind,
+        },
+    );
+    p.plan.touch.push((parent, true));
+    p.plan.outcome.ino = Some(ino);
+    p.plan.outcome.attr = Some(attr);
+    Ok(())
+}
+
+fn plan_unlink(p: &mut P<'_>, parent: Ino, name: &[u8], dir: bool, keep_open: bool) -> R<()> {
+    check_name(name)?;
+    let k = p.keys();
+    let (dentry, drev) = p
+        .dentry(parent, name)?
+        .ok_or(Stop::Fail(MetaError::NotFound))?;
+    let child = dentry.ino;
+    let (cattr, crev) = p.inode(child)?.ok_or_else(|| {
+        Stop::Fail(MetaError::Corrupt {
+            key: k.describe(&k.dentry(parent, name)),
+            reason: format!("entry points at missing inode {child}"),
+        })
+    })?;
+    let is_dir = cattr.kind == FileType::Directory;
+    match (dir, is_dir) {
+        (true, false) => return Err(Stop::Fail(MetaError::NotDir)),
+        (false, true) => return Err(Stop::Fail(MetaError::IsDir)),
+        _ => {}
+    }
+    p.compare(Compare::mod_rev(k.dentry(parent, name), drev));
+    p.compare(Compare::mod_rev(k.inode(child), crev));
+    p.delete(k.dentry(parent, name));
+    p.plan.outcome.ino = Some(child);
+    if is_dir {
+        let entries = k.dentries(child);
+        let probe = RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
+        p.need(&[probe.clone(), RangeRequest::key(k.inode(parent))])?;
+        if !p.range(probe)?.kvs.is_empty() {
+            return Err(Stop::Fail(MetaError::NotEmpty));
+        }
+        let (mut pattr, prev) = p.inode(parent)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+        p.compare(Compare::range_empty(entries.start, entries.end));
+        p.compare(Compare::mod_rev(k.inode(parent), prev));
+        pattr.nlink = pattr.nlink.saturating_sub(1).max(2);
+        pattr.mtime = p.ctx.now;
+        pattr.ctime = p.ctx.now;
+        p.put(k.inode(parent), &pattr);
+        p.delete_inode_tree(child, FileType::Directory);
+    } else {
+        p.drop_link(cattr, keep_open);
+        p.plan.touch.push((parent, true));
+    }
+    Ok(())
+}
+
+/// Walks `P` keys from `from` to the root; fails if `moving` is on the path (moving a
+/// directory into its own subtree). Every step is compared, so a concurrent directory
+/// move that would change the answer makes this plan fail its compares.
+fn check_not_ancestor(p: &mut P<'_>, moving: Ino, from: Ino) -> R<()> {
+    let k = p.keys();
+    let mut cur = from;
+    for _ in 0..DIR_DEPTH_MAX {
+        if cur == moving {
+            return Err(Stop::Fail(MetaError::Invalid(
+                "directory moved into its own subtree",
+            )));
+        }
+        if cur == Ino::ROOT {
+            return Ok(());
+        }
+        let key = k.dir_parent(cur);
+        let kv = p.kv(&key)?.ok_or_else(|| {
+            Stop::Fail(MetaError::Corrupt {
+                key: k.describe(&key),
+                reason: "directory without parent record".into(),
+            })
+        })?;
+        let parent: DirParent = p.decode(kv)?;
+        p.compare(Compare::mod_rev(key, kv.mod_revision));
+        cur = parent.parent;
+    }
+    Err(Stop::Fail(MetaError::TooBig))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plan_rename(
+    p: &mut P<'_>,
+    sp: Ino,
+    sn: &[u8],
+    dp: Ino,
+    dn: &[u8],
+    mode: RenameMode,
+    dst_keep_open: bool,
+) -> R<()> {
+    check_name(sn)?;
+    check_name(dn)?;
+    let k = p.keys();
+    let now = p.ctx.now;
+    p.need(&[
+        RangeRequest::key(k.dentry(sp, sn)),
+        RangeRequest::key(k.dentry(dp, dn)),
+    ])?;
+    let (src, srev) = p.dentry(sp, sn)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    let dst = p.dentry(dp, dn)?;
+    if sp == dp && sn == dn {
+        return Ok(());
+    }
+    let mut need = vec![RangeRequest::key(k.inode(src.ino))];
+    if let Some((d, _)) = dst {
+        need.push(RangeRequest::key(k.inode(d.ino)));
+    }
+    p.need(&need)?;
+    let (mut sattr, sirev) = p.inode(src.ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    let src_dir = sattr.kind == FileType::Directory;
+    match (mode, dst) {
+        (RenameMode::NoReplace, Some(_)) => return Err(Stop::Fail(MetaError::Exists)),
+        (RenameMode::Exchange, None) => return Err(Stop::Fail(MetaError::NotFound)),
+        _ => {}
+    }
+    if let Some((d, _)) = dst {
+        if d.ino == src.ino {
+            // Two links to the same inode: POSIX says rename does nothing.
+            return Ok(());
+        }
+    }
+    p.compare(Compare::mod_rev(k.dentry(sp, sn), srev));
+    p.compare(Compare::mod_rev(
+        k.dentry(dp, dn),
+        dst.map_or(0, |(_, r)| r),
+    ));
+    p.compare(Compare::mod_rev(k.inode(src.ino), sirev));
+    // Link-count deltas per parent directory, applied once per parent at the end.
+    let mut nlink: BTreeMap<Ino, i64> = BTreeMap::new();
+    let cross = sp != dp;
+    sattr.ctime = now;
+    let dst_attr = match dst {
+        Some((d, _)) => {
+            let (a, r) = p.inode(d.ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+            p.compare(Compare::mod_rev(k.inode(d.ino), r));
+            Some(a)
+        }
+        None => None,
+    };
+    if src_dir && cross {
+        check_not_ancestor(p, src.ino, dp)?;
+    }
+    match (mode, dst_attr) {
+        (RenameMode::Exchange, Some(mut dattr)) => {
+            let dst_dir = dattr.kind == FileType::Directory;
+            if dst_dir && cross {
+                check_not_ancestor(p, dattr.ino, sp)?;
+            }
+            dattr.ctime = now;
+            p.put(
+                k.dentry(sp, sn),
+                &Dentry {
+                    ino: dattr.ino,
+                    kind: dattr.kind,
+                },
+            );
+            p.put(
+                k.dentry(dp, dn),
+                &Dentry {
+                    ino: sattr.ino,
+                    kind: sattr.kind,
+                },
+            );
+            if cross {
+                if src_dir {
+                    p.put(k.dir_parent(sattr.ino), &DirParent { parent: dp });
+                    *nlink.entry(sp).or_default() -= 1;
+                    *nlink.entry(dp).or_default() += 1;
+                }
+                if dst_dir {
+                    p.put(k.dir_parent(dattr.ino), &DirParent { parent: sp });
+                    *nlink.entry(dp).or_default() -= 1;
+                    *nlink.entry(sp).or_default() += 1;
+                }
+            }
+            p.put(k.inode(dattr.ino), &dattr);
+        }
+        (_, dst_attr) => {
+            if let Some(dattr) = dst_attr {
+                let dst_dir = dattr.kind == FileType::Directory;
+                match (src_dir, dst_dir) {
+                    (true, false) => return Err(Stop::Fail(MetaError::NotDir)),
+                    (false, true) => return Err(Stop::Fail(MetaError::IsDir)),
+                    _ => {}
+                }
+                if dst_dir {
+                    let entries = k.dentries(dattr.ino);
+                    let probe =
+                        RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
+                    if !p.range(probe)?.kvs.is_empty() {
+                        return Err(Stop::Fail(MetaError::NotEmpty));
+                    }
+                    p.compare(Compare::range_empty(entries.start, entries.end));
+                    *nlink.entry(dp).or_default() -= 1;
+                    p.delete_inode_tree(dattr.ino, FileType::Directory);
+                } else {
+                    p.drop_link(dattr, dst_keep_open);
+                }
+            }
+            p.delete(k.dentry(sp, sn));
+            p.put(k.dentry(dp, dn), &src);
+            if src_dir && cross {
+                p.put(k.dir_parent(src.ino), &DirParent { parent: dp });
+                *nlink.entry(sp).or_default() -= 1;
+                *nlink.entry(dp).or_default() += 1;
+            }
+        }
+    }
+    p.put(k.inode(sattr.ino), &sattr);
+    // Parents whose link count changes are rewritten here (with their times); the
+    // others get their times through the coalescer.
+    let changed: Vec<Ino> = nlink
+        .iter()
+        .filter(|(_, &d)| d != 0)
+        .map(|(&i, _)| i)
+        .collect();
+    p.need(
+        &changed
+            .iter()
+            .map(|&i| RangeRequest::key(k.inode(i)))
+            .collect::<Vec<_>>(),
+    )?;
+    for &dir in &changed {
+        let (mut a, r) = p.inode(dir)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+        p.compare(Compare::mod_rev(k.inode(dir), r));
+        let delta = nlink.get(&dir).copied().unwrap_or(0);
+        let n = i64::from(a.nlink)
+            .saturating_add(delta)
+            .clamp(2, i64::from(u32::MAX));
+        a.nlink = u32::try_from(n).unwrap_or(u32::MAX);
+        a.mtime = now;
+        a.ctime = now;
+        p.put(k.inode(dir), &a);
+    }
+    for dir in [sp, dp] {
+        if !changed.contains(&dir) && !p.plan.touch.iter().any(|(i, _)| *i == dir) {
+            // Existence of both parents is implied by their entries' compares.
+            p.plan.touch.push((dir, true));
+        }
+    }
+    p.plan.outcome.ino = Some(src.ino);
+    p.plan.outcome.attr = Some(sattr);
+    Ok(())
+}
+
+fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAttr) -> R<()> {
+    let k = p.keys();
+    let now = p.ctx.now;
+    let (mut a, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    p.compare(Compare::mod_rev(k.inode(ino), rev));
+    if let Some(perm) = set.perm {
+        if perm > 0o7777 {
+            return Err(Stop::Fail(MetaError::Invalid(
+                "permission bits out of range",
+            )));
+        }
+        a.perm = perm;
+    }
+    if let Some(uid) = set.uid {
+        a.uid = uid;
+    }
+    if let Some(gid) = set.gid {
+        a.gid = gid;
+    }
+    if let Some(flags) = set.flags {
+        a.flags = flags;
+    }
+    if let Some(t) = set.atime {
+        a.atime = time(t, now)?;
+    }
+    if let Some(size) = set.size {
+        if a.kind != FileType::Regular {
+            return Err(Stop::Fail(if a.kind == FileType::Directory {
+                MetaError::IsDir
+            } else {
+                MetaError::Invalid("size of a non-regular file")
+            }));
+        }
+        if size < a.size {
+            // Drop whole blocks past the new end; trim an extent straddling it.
+            let keep_to = round_up(size, p.ctx.block_size);
+            let before = RangeRequest::range(k.extent(ino, 0), k.extent(ino, keep_to))
+                .descending()
+                .limit(1);
+            let after = k.extents_between(ino, keep_to, u64::MAX);
+            p.need(std::slice::from_ref(&before))?;
+            if let Some(kv) = p.range(before)?.kvs.first() {
+                let off = match k.parse(&kv.key) {
+                    Some(crate::keys::KeyKind::Extent(_, off)) => off,
+                    _ => return Err(Stop::Fail(MetaError::Invalid("bad extent key"))),
+                };
+                let e = Extent::decode_value(off, &kv.value)
+                    .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
+                p.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
+                if e.file_end() > keep_to {
+                    let keep = keep_to - e.file_off;
+                    let trimmed = Extent { len: keep, ..e };
+                    p.plan
+                        .ops
+                        .push(TxnOp::put(kv.key.clone(), trimmed.encode_value()));
+                    p.plan.outcome.freed.push(DevRange {
+                        dev_off: e.dev_off.saturating_add(keep),
+                        len: e.len - keep,
+                    });
+                }
+            }
+            p.delete_range(after, true);
+        }
+        a.size = size;
+        a.mtime = now;
+    }
+    if let Some(t) = set.mtime {
+        a.mtime = time(t, now)?;
+    }
+    a.ctime = now;
+    p.put(k.inode(ino), &a);
+    p.plan.outcome.ino = Some(ino);
+    p.plan.outcome.attr = Some(a);
+    Ok(())
+}
+
+fn plan_setxattr(
+    p: &mut P<'_>,
+    ino: Ino,
+    name: &[u8],
+    value: Option<&Vec<u8>>,
+    mode: XattrMode,
+) -> R<()> {
+    if name.is_empty() || name.len() > XATTR_NAME_LEN_MAX {
+        return Err(Stop::Fail(MetaError::Invalid("xattr name length")));
+    }
+    let k = p.keys();
+    let key = k.xattr(ino, name);
+    p.need(&[RangeRequest::key(key.clone())])?;
+    let cur = p.kv(&key)?;
+    match (mode, cur) {
+        (XattrMode::Create, Some(_)) => return Err(Stop::Fail(MetaError::Exists)),
+        (XattrMode::Replace, None) => return Err(Stop::Fail(MetaError::NotFound)),
+        _ => {}
+    }
+    p.expect_present(&k.inode(ino))?;
+    p.compare(Compare::mod_rev(
+        key.clone(),
+        cur.map_or(0, |kv| kv.mod_revision),
+    ));
+    p.compare(Compare::exists(k.inode(ino)));
+    match value {
+        Some(v) => {
+            let v = XattrValue(v.clone());
+            if v.validate().is_err() {
+                return Err(Stop::Fail(MetaError::Invalid("xattr value too long")));
+            }
+            p.put(key, &v);
+        }
+        None => p.delete(key),
+    }
+    p.plan.touch.push((ino, false));
+    p.plan.outcome.ino = Some(ino);
+    Ok(())
+}
+
+/// Subtracts device ranges `minus` from `from` (both small lists).
+fn subtract(from: Vec<DevRange>, minus: &[DevRange]) -> Vec<DevRange> {
+    let mut cur = from;
+    for m in minus {
+        let (ms, me) = (m.dev_off, m.dev_off.saturating_add(m.len));
+        let mut next = Vec::with_capacity(cur.len() + 1);
+        for r in cur {
+            let (rs, re) = (r.dev_off, r.dev_off.saturating_add(r.len));
+            if me <= rs || re <= ms {
+                next.push(r);
+                continue;
+            }
+            if rs < ms {
+                next.push(DevRange {
+                    dev_off: rs,
+                    len: ms - rs,
+                });
+            }
+            if me < re {
+                next.push(DevRange {
+                    dev_off: me,
+                    len: re - me,
+                });
+            }
+        }
+        cur = next;
+    }
+    cur
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plan_extents(
+    p: &mut P<'_>,
+    ino: Ino,
+    off: u64,
+    len: u64,
+    new: &[Extent],
+    size_at_least: Option<u64>,
+    touch_mtime: bool,
+) -> R<()> {
+    let k = p.keys();
+    let end = off
+        .checked_add(len)
+        .ok_or(Stop::Fail(MetaError::Invalid("range overflows")))?;
+    if len == 0 || new.len() > EXTENTS_PER_MUTATION_MAX {
+        return Err(Stop::Fail(MetaError::Invalid(
+            "empty range or too many extents",
+        )));
+    }
+    let mut last_end = off;
+    for e in new {
+        if e.check().is_err() || e.file_off < last_end || e.file_end() > end {
+            return Err(Stop::Fail(MetaError::Invalid(
+                "extents unsorted or outside range",
+            )));
+        }
+        last_end = e.file_end();
+    }
+    let inside = RangeRequest::range(k.extent(ino, off), k.extent(ino, end))
+        .limit(EXTENTS_PER_MUTATION_MAX as i64);
+    let before = RangeRequest::range(k.extent(ino, 0), k.extent(ino, off))
+        .descending()
+        .limit(1);
+    p.need(&[
+        inside.clone(),
+        before.clone(),
+        RangeRequest::key(k.inode(ino)),
+    ])?;
+    let (mut attr, irev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    if attr.kind != FileType::Regular {
+        return Err(Stop::Fail(MetaError::Invalid(
+            "extents on a non-regular file",
+        )));
+    }
+    let inside_r = p.range(inside)?;
+    if inside_r.more {
+        return Err(Stop::Fail(MetaError::TooBig));
+    }
+    let mut old: Vec<(Extent, i64)> = Vec::new();
+    for kv in p.range(before)?.kvs.iter().chain(&inside_r.kvs) {
+        let Some(crate::keys::KeyKind::Extent(_, eoff)) = k.parse(&kv.key) else {
+            return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
+        };
+        let e = Extent::decode_value(eoff, &kv.value)
+            .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
+        if e.file_end() > off {
+            old.push((e, kv.mod_revision));
+        }
+    }
+    // Final action per extent key: Some(put) or None (delete).
+    let mut actions: BTreeMap<u64, Option<Extent>> = BTreeMap::new();
+    let mut released = Vec::new();
+    for (e, rev) in &old {
+        p.compare(Compare::mod_rev(k.extent(ino, e.file_off), *rev));
+        actions.insert(e.file_off, None);
+        let (s, t) = (e.file_off.max(off), e.file_end().min(end));
+        released.push(DevRange {
+            dev_off: e.dev_off + (s - e.file_off),
+            len: t - s,
+        });
+        if e.file_off < off {
+            actions.insert(
+                e.file_off,
+                Some(Extent {
+                    len: off - e.file_off,
+                    ..*e
+                }),
+            );
+        }
+        if e.file_end() > end {
+            let cut = end - e.file_off;
+            let tail = Extent {
+                file_off: end,
+                len: e.len - cut,
+                dev_off: e.dev_off + cut,
+                unwritten: e.unwritten,
+            };
+            actions.insert(end, Some(tail));
+        }
+    }
+    // Nothing may have appeared in the range since we read it.
+    let seen_rev = inside_r.revision;
+    p.compare(Compare {
+        key: k.extent(ino, off),
+        range_end: Some(k.extent(ino, end)),
+        op: crate::kv::CompareOp::Less,
+        target: crate::kv::CompareTarget::ModRevision(seen_rev + 1),
+    });
+    for e in new {
+        actions.insert(e.file_off, Some(*e));
+    }
+    for (eoff, a) in actions {
+        match a {
+            Some(e) => p
+                .plan
+                .ops
+                .push(TxnOp::put(k.extent(ino, eoff), e.encode_value())),
+            None => p.delete(k.extent(ino, eoff)),
+        }
+    }
+    let reused: Vec<DevRange> = new
+        .iter()
+        .map(|e| DevRange {
+            dev_off: e.dev_off,
+            len: e.len,
+        })
+        .collect();
+    p.plan.outcome.freed = subtract(released, &reused);
+    p.compare(Compare::mod_rev(k.inode(ino), irev));
+    if let Some(s) = size_at_least {
+        attr.size = attr.size.max(s);
+    }
+    if touch_mtime {
+        attr.mtime = p.ctx.now;
+        attr.ctime = p.ctx.now;
+    }
+    p.put(k.inode(ino), &attr);
+    p.plan.outcome.ino = Some(ino);
+    p.plan.outcome.attr = Some(attr);
+    Ok(())
+}
+
+fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
+    let k = p.keys();
+    p.need(&[
+        RangeRequest::key(k.orphan(ino)),
+        RangeRequest::key(k.inode(ino)),
+    ])?;
+    let okv = p
+        .kv(&k.orphan(ino))?
+        .ok_or(Stop::Fail(MetaError::NotFound))?;
+    let _owner: Owner = p.decode(okv)?;
+    p.compare(Compare::mod_rev(k.orphan(ino), okv.mod_revision));
+    p.delete(k.orphan(ino));
+    if let Some((attr, rev)) = p.inode(ino)? {
+        if attr.nlink > 0 {
+            // Relinked cannot happen (link refuses orphans), but never delete a linked
+            // inode on the strength of an orphan record: just drop the record.
+            p.compare(Compare::mod_rev(k.inode(ino), rev));
+            return Ok(());
+        }
+        p.compare(Compare::mod_rev(k.inode(ino), rev));
+        p.delete_inode_tree(ino, attr.kind);
+    }
+    p.plan.outcome.ino = Some(ino);
+    Ok(())
+}
+
+fn plan_touch(p: &mut P<'_>, ino: Ino, mtime: Option<Timespec>, ctime: Timespec) -> R<()> {
+    let k = p.keys();
+    let Some((mut a, rev)) = p.inode(ino)? else {
+        // The inode went away meanwhile: nothing to stamp.
+        return Ok(());
+    };
+    let old = (a.mtime, a.ctime);
+    if let Some(m) = mtime {
+        a.mtime = a.mtime.max(m);
+    }
+    a.ctime = a.ctime.max(ctime);
+    if (a.mtime, a.ctime) == old {
+        return Ok(());
+    }
+    p.compare(Compare::mod_rev(k.inode(ino), rev));
+    p.put(k.inode(ino), &a);
+    p.plan.outcome.ino = Some(ino);
+    p.plan.outcome.attr = Some(a);
+    Ok(())
+}
+
+fn plan_reserve(p: &mut P<'_>, count: u64) -> R<()> {
+    let k = p.keys();
+    let key = k.ino_counter();
+    let kv = p.kv(&key)?;
+    let next = match kv {
+        Some(kv) => p.decode::<InoCounter>(kv)?.next,
+        None => Ino::FIRST_DYNAMIC,
+    };
+    let end = next
+        .checked_add(count)
+        .ok_or(Stop::Fail(MetaError::Invalid("inodes exhausted")))?;
+    p.compare(Compare::mod_rev(
+        key.clone(),
+        kv.map_or(0, |kv| kv.mod_revision),
+    ));
+    p.put(key, &InoCounter { next: end });
+    p.plan.outcome.inos = Some((next, end));
+    Ok(())
+}
+
+/// Decodes extents returned as `prev_kvs` of a freeing range delete.
+pub fn freed_from_kvs(keys: &Keyspace, kvs: &[KeyValue]) -> Vec<DevRange> {
+    kvs.iter()
+        .filter_map(|kv| {
+            let Some(crate::keys::KeyKind::Extent(_, off)) = keys.parse(&kv.key) else {
+                return None;
+            };
+            match Extent::decode_value(off, &kv.value) {
+                Ok(e) => Some(DevRange {
+                    dev_off: e.dev_off,
+                    len: e.len,
+                }),
+                Err(e) => {
+                    // The inode is gone either way; fsck can find the leaked blocks.
+                    log::error!("freed extent {} is corrupt: {e}", keys.describe(&kv.key));
+                    None
+                }
+            }
+        })
+        .collect()
+}

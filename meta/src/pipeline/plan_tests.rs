@@ -1,0 +1,831 @@
+//! Unit tests of `plan`, per mutation kind, against the in-memory model as the world:
+//! plan (answering its reads from the model), apply the plan as one transaction, look
+//! at the result. Conflict tests plan from a snapshot, change the world, and check
+//! that the compares catch it.
+#![allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::sync::Arc;
+
+use super::{
+    mutation::*,
+    plan::{freed_from_kvs, plan, Plan, PlanCtx, Planned, Snapshot},
+};
+use crate::{
+    clock::ManualClock,
+    codec::{Dentry, DirParent, Extent, InodeAttr, Owner, Record},
+    error::MetaError,
+    keys::Keyspace,
+    kv::{KvBackend, RangeRequest, Txn, TxnOp, TxnOpResponse},
+    model::MemEtcd,
+    types::{FileType, Ino, SessionId, Timespec},
+};
+
+struct World {
+    kv: MemEtcd,
+    keys: Keyspace,
+    next_ino: u64,
+}
+
+const NOW: Timespec = Timespec::new(1_700_000_000, 5);
+
+fn file(kind: FileType) -> NewInode {
+    NewInode {
+        kind,
+        perm: 0o644,
+        uid: 1,
+        gid: 2,
+        rdev: 0,
+        flags: 0,
+    }
+}
+
+impl World {
+    async fn new() -> World {
+        let kv = MemEtcd::new(Arc::new(ManualClock::new(NOW)));
+        let keys = Keyspace::new("t").unwrap();
+        let root = InodeAttr {
+            ino: Ino::ROOT,
+            kind: FileType::Directory,
+            perm: 0o755,
+            uid: 0,
+            gid: 0,
+            size: 0,
+            nlink: 2,
+            atime: NOW,
+            mtime: NOW,
+            ctime: NOW,
+            crtime: NOW,
+            rdev: 0,
+            generation: 1,
+            flags: 0,
+        };
+        let t = Txn {
+            success: vec![
+                TxnOp::put(keys.inode(Ino::ROOT), root.encode()),
+                TxnOp::put(
+                    keys.dir_parent(Ino::ROOT),
+                    DirParent { parent: Ino::ROOT }.encode(),
+                ),
+            ],
+            ..Default::default()
+        };
+        kv.txn(t).await.unwrap();
+        World {
+            kv,
+            keys,
+            next_ino: 2000,
+        }
+    }
+
+    fn ctx(&self, ino: Option<Ino>) -> PlanCtx<'_> {
+        PlanCtx {
+            keys: &self.keys,
+            now: NOW,
+            session: SessionId(9),
+            new_ino: ino,
+            block_size: 4096,
+        }
+    }
+
+    /// Plans until ready, answering reads from the world. Returns the plan and the
+    /// number of read rounds it took.
+    async fn plan(
+        &mut self,
+        m: &Mutation,
+        snap: &mut Snapshot,
+    ) -> (Result<Plan, MetaError>, usize) {
+        let ino = m.needs_ino().then(|| {
+            self.next_ino += 1;
+            Ino(self.next_ino)
+        });
+        for rounds in 0..64 {
+            match plan(m, snap, &self.ctx(ino)) {
+                Planned::Ready(p) => return (Ok(p), rounds),
+                Planned::Fail(e) => return (Err(e), rounds),
+                Planned::Need(reqs) => {
+                    assert!(!reqs.is_empty());
+                    for r in reqs {
+                        let resp = self.kv.range(r.clone()).await.unwrap();
+                        snap.insert(&r, resp);
+                    }
+                }
+            }
+        }
+        panic!("plan never became ready");
+    }
+
+    async fn apply(&self, p: &Plan) -> Result<Outcome, MetaError> {
+        let t = Txn {
+            compares: p.compares.clone(),
+            success: p.ops.clone(),
+            failure: vec![],
+        };
+        let r = self.kv.txn(t).await?;
+        if !r.succeeded {
+            return Err(MetaError::Conflict { attempts: 1 });
+        }
+        let mut o = p.outcome.clone();
+        for &i in &p.freed_from_ops {
+            if let TxnOpResponse::Delete { prev_kvs, .. } = &r.responses[i] {
+                o.freed.extend(freed_from_kvs(&self.keys, prev_kvs));
+            }
+        }
+        Ok(o)
+    }
+
+    async fn run(&mut self, m: Mutation) -> Result<Outcome, MetaError> {
+        let (p, _) = self.plan(&m, &mut Snapshot::default()).await;
+        self.apply(&p?).await
+    }
+
+    async fn inode(&self, ino: Ino) -> Option<InodeAttr> {
+        let r = self
+            .kv
+            .range(RangeRequest::key(self.keys.inode(ino)))
+            .await
+            .unwrap();
+        r.kvs
+            .first()
+            .map(|kv| InodeAttr::decode(&kv.value).unwrap())
+    }
+
+    async fn exists(&self, key: Vec<u8>) -> bool {
+        !self
+            .kv
+            .range(RangeRequest::key(key))
+            .await
+            .unwrap()
+            .kvs
+            .is_empty()
+    }
+
+    async fn create(&mut self, parent: Ino, name: &str, kind: FileType) -> Ino {
+        let symlink = (kind == FileType::Symlink).then(|| b"target".to_vec());
+        let m = Mutation::Create {
+            parent,
+            name: name.into(),
+            inode: file(kind),
+            symlink,
+        };
+        self.run(m).await.unwrap().ino.unwrap()
+    }
+
+    async fn add_extent(&mut self, ino: Ino, off: u64, len: u64, dev: u64) {
+        let e = Extent {
+            file_off: off,
+            len,
+            dev_off: dev,
+            unwritten: false,
+        };
+        let m = Mutation::SetExtents {
+            ino,
+            off,
+            len,
+            extents: vec![e],
+            size_at_least: Some(off + len),
+            touch_mtime: true,
+        };
+        self.run(m).await.unwrap();
+    }
+
+    async fn extents(&self, ino: Ino) -> Vec<Extent> {
+        crate::reader::extents(&self.kv, &self.keys, ino, 0, 100)
+            .await
+            .unwrap()
+            .0
+    }
+}
+
+fn unlink(parent: Ino, name: &str) -> Mutation {
+    Mutation::Unlink {
+        parent,
+        name: name.into(),
+        dir: false,
+        keep_open: false,
+    }
+}
+
+fn rename(sp: Ino, sn: &str, dp: Ino, dn: &str, mode: RenameMode) -> Mutation {
+    Mutation::Rename {
+        src_parent: sp,
+        src_name: sn.into(),
+        dst_parent: dp,
+        dst_name: dn.into(),
+        mode,
+        dst_keep_open: false,
+    }
+}
+
+#[tokio::test]
+async fn create_is_blind_one_txn() {
+    let mut w = World::new().await;
+    let m = Mutation::Create {
+        parent: Ino::ROOT,
+        name: b"f".to_vec(),
+        inode: file(FileType::Regular),
+        symlink: None,
+    };
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    let p = p.unwrap();
+    assert_eq!(rounds, 0, "a create needs no reads");
+    assert_eq!(p.compares.len(), 2);
+    assert_eq!(p.ops.len(), 2);
+    assert_eq!(
+        p.touch,
+        vec![(Ino::ROOT, true)],
+        "parent times are coalesced, not written"
+    );
+    let o = w.apply(&p).await.unwrap();
+    let ino = o.ino.unwrap();
+    let a = w.inode(ino).await.unwrap();
+    assert_eq!((a.nlink, a.perm, a.mtime), (1, 0o644, NOW));
+    // Same name again: the blind compare fails; with the failure-branch answer in the
+    // snapshot the plan reports Exists.
+    let (p2, _) = w.plan(&m, &mut Snapshot::default()).await;
+    assert!(w.apply(&p2.unwrap()).await.is_err());
+    let mut snap = Snapshot::default();
+    let key = w.keys.dentry(Ino::ROOT, b"f");
+    let cur =
+        w.kv.range(RangeRequest::key(key.clone()))
+            .await
+            .unwrap()
+            .kvs
+            .pop();
+    snap.insert_key(key, cur);
+    assert_eq!(
+        w.plan(&m, &mut snap).await.0.unwrap_err(),
+        MetaError::Exists
+    );
+    // Missing parent.
+    let mut snap = Snapshot::default();
+    snap.insert_key(w.keys.inode(Ino(77)), None);
+    let orphan_parent = Mutation::Create {
+        parent: Ino(77),
+        name: b"x".to_vec(),
+        inode: file(FileType::Regular),
+        symlink: None,
+    };
+    assert_eq!(
+        w.plan(&orphan_parent, &mut snap).await.0.unwrap_err(),
+        MetaError::NotFound
+    );
+    let bad = Mutation::Create {
+        parent: Ino::ROOT,
+        name: b"a/b".to_vec(),
+        inode: file(FileType::Regular),
+        symlink: None,
+    };
+    assert!(matches!(w.run(bad).await, Err(MetaError::Invalid(_))));
+}
+
+#[tokio::test]
+async fn mkdir_and_symlink() {
+    let mut w = World::new().await;
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    assert_eq!(w.inode(d).await.unwrap().nlink, 2);
+    assert_eq!(
+        w.inode(Ino::ROOT).await.unwrap().nlink,
+        3,
+        "mkdir bumps the parent"
+    );
+    assert!(w.exists(w.keys.dir_parent(d)).await);
+    let s = w.create(d, "s", FileType::Symlink).await;
+    assert_eq!(w.inode(s).await.unwrap().size, 6);
+    let t = crate::reader::readlink(&w.kv, &w.keys, s).await.unwrap();
+    assert_eq!(t, Some(b"target".to_vec()));
+    let no_target = Mutation::Create {
+        parent: d,
+        name: b"s2".to_vec(),
+        inode: file(FileType::Symlink),
+        symlink: None,
+    };
+    assert!(matches!(w.run(no_target).await, Err(MetaError::Invalid(_))));
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let in_file = Mutation::Create {
+        parent: f,
+        name: b"x".to_vec(),
+        inode: file(FileType::Directory),
+        symlink: None,
+    };
+    assert_eq!(w.run(in_file).await.unwrap_err(), MetaError::NotDir);
+}
+
+#[tokio::test]
+async fn link_and_unlink() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 8192, 1 << 20).await;
+    let o = w
+        .run(Mutation::Link {
+            ino: f,
+            parent: Ino::ROOT,
+            name: b"g".to_vec(),
+        })
+        .await;
+    assert_eq!(o.unwrap().attr.unwrap().nlink, 2);
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    let link_dir = Mutation::Link {
+        ino: d,
+        parent: Ino::ROOT,
+        name: b"dd".to_vec(),
+    };
+    assert_eq!(w.run(link_dir).await.unwrap_err(), MetaError::IsDir);
+    let dup = Mutation::Link {
+        ino: f,
+        parent: Ino::ROOT,
+        name: b"g".to_vec(),
+    };
+    assert!(w.run(dup).await.is_err());
+    // First unlink only decrements.
+    let o = w.run(unlink(Ino::ROOT, "f")).await.unwrap();
+    assert_eq!(o.attr.unwrap().nlink, 1);
+    assert!(o.freed.is_empty() && o.removed.is_none());
+    // Last unlink deletes the inode and reports its extents freed.
+    let o = w.run(unlink(Ino::ROOT, "g")).await.unwrap();
+    assert_eq!(o.removed, Some(f));
+    assert_eq!(
+        o.freed,
+        vec![DevRange {
+            dev_off: 1 << 20,
+            len: 8192
+        }]
+    );
+    assert!(w.inode(f).await.is_none());
+    assert!(w.extents(f).await.is_empty());
+    assert_eq!(
+        w.run(unlink(Ino::ROOT, "g")).await.unwrap_err(),
+        MetaError::NotFound
+    );
+    assert_eq!(
+        w.run(unlink(Ino::ROOT, "d")).await.unwrap_err(),
+        MetaError::IsDir
+    );
+}
+
+#[tokio::test]
+async fn unlink_open_file_leaves_orphan_then_reclaim() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 4096, 8192).await;
+    let m = Mutation::Unlink {
+        parent: Ino::ROOT,
+        name: b"f".to_vec(),
+        dir: false,
+        keep_open: true,
+    };
+    let o = w.run(m).await.unwrap();
+    assert_eq!(o.orphaned, Some(f));
+    assert_eq!(w.inode(f).await.unwrap().nlink, 0);
+    let orphans = crate::reader::orphans(&w.kv, &w.keys, 10).await.unwrap();
+    assert_eq!(orphans.len(), 1);
+    assert_eq!((orphans[0].ino, orphans[0].session), (f, SessionId(9)));
+    let relink = Mutation::Link {
+        ino: f,
+        parent: Ino::ROOT,
+        name: b"back".to_vec(),
+    };
+    assert_eq!(w.run(relink).await.unwrap_err(), MetaError::NotFound);
+    let o = w.run(Mutation::ReclaimOrphan { ino: f }).await.unwrap();
+    assert_eq!(o.removed, Some(f));
+    assert_eq!(
+        o.freed,
+        vec![DevRange {
+            dev_off: 8192,
+            len: 4096
+        }]
+    );
+    assert!(w.inode(f).await.is_none());
+    assert!(!w.exists(w.keys.orphan(f)).await);
+    assert_eq!(
+        w.run(Mutation::ReclaimOrphan { ino: f }).await.unwrap_err(),
+        MetaError::NotFound
+    );
+    let _ = Owner {
+        session: SessionId(1),
+    };
+}
+
+#[tokio::test]
+async fn rmdir_rules() {
+    let mut w = World::new().await;
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    w.create(d, "x", FileType::Regular).await;
+    let rmdir = |name: &str| Mutation::Unlink {
+        parent: Ino::ROOT,
+        name: name.into(),
+        dir: true,
+        keep_open: false,
+    };
+    assert_eq!(w.run(rmdir("d")).await.unwrap_err(), MetaError::NotEmpty);
+    w.create(Ino::ROOT, "f", FileType::Regular).await;
+    assert_eq!(w.run(rmdir("f")).await.unwrap_err(), MetaError::NotDir);
+    w.run(unlink(d, "x")).await.unwrap();
+    // Plan the rmdir, then let a create sneak in: the range compare catches it.
+    let (p, _) = w.plan(&rmdir("d"), &mut Snapshot::default()).await;
+    let p = p.unwrap();
+    w.create(d, "late", FileType::Regular).await;
+    assert!(
+        w.apply(&p).await.is_err(),
+        "rmdir must not orphan a concurrent create"
+    );
+    w.run(unlink(d, "late")).await.unwrap();
+    let o = w.run(rmdir("d")).await.unwrap();
+    assert_eq!(o.removed, Some(d));
+    assert_eq!(w.inode(Ino::ROOT).await.unwrap().nlink, 2);
+    assert!(!w.exists(w.keys.dir_parent(d)).await);
+}
+
+#[tokio::test]
+async fn rename_kinds() {
+    let mut w = World::new().await;
+    let a = w.create(Ino::ROOT, "a", FileType::Regular).await;
+    let b = w.create(Ino::ROOT, "b", FileType::Regular).await;
+    // NOREPLACE over an existing name.
+    let nr = rename(Ino::ROOT, "a", Ino::ROOT, "b", RenameMode::NoReplace);
+    assert_eq!(w.run(nr).await.unwrap_err(), MetaError::Exists);
+    // EXCHANGE swaps.
+    w.run(rename(Ino::ROOT, "a", Ino::ROOT, "b", RenameMode::Exchange))
+        .await
+        .unwrap();
+    assert_eq!(lookup(&w, "a").await.unwrap().ino, b);
+    assert_eq!(lookup(&w, "b").await.unwrap().ino, a);
+    // Replace: "a" (inode b) over "b" (inode a): inode a loses its last link.
+    let o = w
+        .run(rename(Ino::ROOT, "a", Ino::ROOT, "b", RenameMode::Replace))
+        .await
+        .unwrap();
+    assert_eq!(o.removed, Some(a));
+    assert!(lookup(&w, "a").await.is_none());
+    assert_eq!(lookup(&w, "b").await.unwrap().ino, b);
+    let ex = rename(Ino::ROOT, "b", Ino::ROOT, "zz", RenameMode::Exchange);
+    assert_eq!(w.run(ex).await.unwrap_err(), MetaError::NotFound);
+    // Directories: across parents, link counts follow; into own subtree refused.
+    let d1 = w.create(Ino::ROOT, "d1", FileType::Directory).await;
+    let d2 = w.create(Ino::ROOT, "d2", FileType::Directory).await;
+    let sub = w.create(d1, "sub", FileType::Directory).await;
+    w.run(rename(d1, "sub", d2, "moved", RenameMode::Replace))
+        .await
+        .unwrap();
+    assert_eq!(w.inode(d1).await.unwrap().nlink, 2);
+    assert_eq!(w.inode(d2).await.unwrap().nlink, 3);
+    let p = crate::reader::get_inode(&w.kv, &w.keys, sub)
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(p.kind, FileType::Directory);
+    let into_self = rename(Ino::ROOT, "d2", sub, "loop", RenameMode::Replace);
+    assert!(matches!(w.run(into_self).await, Err(MetaError::Invalid(_))));
+    // Directory over a non-empty directory.
+    w.create(d1, "x", FileType::Regular).await;
+    let over = rename(Ino::ROOT, "d2", Ino::ROOT, "d1", RenameMode::Replace);
+    assert_eq!(w.run(over).await.unwrap_err(), MetaError::NotEmpty);
+    w.run(unlink(d1, "x")).await.unwrap();
+    let root_links = w.inode(Ino::ROOT).await.unwrap().nlink;
+    let o = w
+        .run(rename(
+            Ino::ROOT,
+            "d2",
+            Ino::ROOT,
+            "d1",
+            RenameMode::Replace,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(o.removed, Some(d1));
+    assert_eq!(w.inode(Ino::ROOT).await.unwrap().nlink, root_links - 1);
+    // File over directory and directory over file.
+    w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let f_over_d = rename(Ino::ROOT, "f", Ino::ROOT, "d1", RenameMode::Replace);
+    assert_eq!(w.run(f_over_d).await.unwrap_err(), MetaError::IsDir);
+    let d_over_f = rename(Ino::ROOT, "d1", Ino::ROOT, "f", RenameMode::Replace);
+    assert_eq!(w.run(d_over_f).await.unwrap_err(), MetaError::NotDir);
+    // Same entry: no-op.
+    let o = w
+        .run(rename(Ino::ROOT, "f", Ino::ROOT, "f", RenameMode::Replace))
+        .await;
+    assert!(o.is_ok());
+}
+
+#[tokio::test]
+async fn rename_conflict_is_caught_by_compares() {
+    let mut w = World::new().await;
+    w.create(Ino::ROOT, "a", FileType::Regular).await;
+    let m = rename(Ino::ROOT, "a", Ino::ROOT, "b", RenameMode::NoReplace);
+    let (p, _) = w.plan(&m, &mut Snapshot::default()).await;
+    // Another node creates "b" between our read and our commit.
+    w.create(Ino::ROOT, "b", FileType::Regular).await;
+    assert!(w.apply(&p.unwrap()).await.is_err());
+}
+
+#[tokio::test]
+async fn setattr_and_truncate() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 8192, 1 << 20).await;
+    w.add_extent(f, 8192, 8192, 2 << 20).await;
+    let set = SetAttr {
+        perm: Some(0o600),
+        uid: Some(5),
+        mtime: Some(TimeSet::At(Timespec::new(3, 4))),
+        ..Default::default()
+    };
+    let a = w
+        .run(Mutation::SetAttr { ino: f, set })
+        .await
+        .unwrap()
+        .attr
+        .unwrap();
+    assert_eq!(
+        (a.perm, a.uid, a.mtime, a.ctime),
+        (0o600, 5, Timespec::new(3, 4), NOW)
+    );
+    let bad = SetAttr {
+        mtime: Some(TimeSet::At(Timespec::new(1, 2_000_000_000))),
+        ..Default::default()
+    };
+    assert!(matches!(
+        w.run(Mutation::SetAttr { ino: f, set: bad }).await,
+        Err(MetaError::Invalid(_))
+    ));
+    // Truncate to 5000: block-rounded to 8192, so the first extent stays whole and the
+    // second is freed.
+    let set = SetAttr {
+        size: Some(5000),
+        ..Default::default()
+    };
+    let o = w.run(Mutation::SetAttr { ino: f, set }).await.unwrap();
+    assert_eq!(o.attr.unwrap().size, 5000);
+    assert_eq!(
+        o.freed,
+        vec![DevRange {
+            dev_off: 2 << 20,
+            len: 8192
+        }]
+    );
+    // Truncate to 100: the straddling extent is trimmed to one block.
+    let set = SetAttr {
+        size: Some(100),
+        ..Default::default()
+    };
+    let o = w.run(Mutation::SetAttr { ino: f, set }).await.unwrap();
+    assert_eq!(
+        o.freed,
+        vec![DevRange {
+            dev_off: (1 << 20) + 4096,
+            len: 4096
+        }]
+    );
+    assert_eq!(
+        w.extents(f).await,
+        vec![Extent {
+            file_off: 0,
+            len: 4096,
+            dev_off: 1 << 20,
+            unwritten: false
+        }]
+    );
+    let missing = Mutation::SetAttr {
+        ino: Ino(999_999),
+        set: SetAttr::default(),
+    };
+    assert_eq!(w.run(missing).await.unwrap_err(), MetaError::NotFound);
+}
+
+#[tokio::test]
+async fn xattr_create_replace_remove() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let set = |mode, v: &str| Mutation::SetXattr {
+        ino: f,
+        name: b"user.k".to_vec(),
+        value: v.into(),
+        mode,
+    };
+    assert_eq!(
+        w.run(set(XattrMode::Replace, "1")).await.unwrap_err(),
+        MetaError::NotFound
+    );
+    w.run(set(XattrMode::Create, "1")).await.unwrap();
+    assert_eq!(
+        w.run(set(XattrMode::Create, "2")).await.unwrap_err(),
+        MetaError::Exists
+    );
+    let o = w.run(set(XattrMode::Replace, "3")).await.unwrap();
+    assert!(o.attr.is_none());
+    let v = crate::reader::get_xattr(&w.kv, &w.keys, f, b"user.k")
+        .await
+        .unwrap();
+    assert_eq!(v, Some(b"3".to_vec()));
+    w.run(Mutation::RemoveXattr {
+        ino: f,
+        name: b"user.k".to_vec(),
+    })
+    .await
+    .unwrap();
+    let rm = Mutation::RemoveXattr {
+        ino: f,
+        name: b"user.k".to_vec(),
+    };
+    assert_eq!(w.run(rm).await.unwrap_err(), MetaError::NotFound);
+    let too_big = Mutation::SetXattr {
+        ino: f,
+        name: b"user.big".to_vec(),
+        value: vec![0; 70_000],
+        mode: XattrMode::Any,
+    };
+    assert!(matches!(w.run(too_big).await, Err(MetaError::Invalid(_))));
+}
+
+#[tokio::test]
+async fn extents_split_punch_and_convert() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    // fallocate 0..16K unwritten, then write 4K..8K (converting in place).
+    let un = Extent {
+        file_off: 0,
+        len: 16384,
+        dev_off: 65536,
+        unwritten: true,
+    };
+    let m = Mutation::SetExtents {
+        ino: f,
+        off: 0,
+        len: 16384,
+        extents: vec![un],
+        size_at_least: None,
+        touch_mtime: false,
+    };
+    w.run(m).await.unwrap();
+    let written = Extent {
+        file_off: 4096,
+        len: 4096,
+        dev_off: 65536 + 4096,
+        unwritten: false,
+    };
+    let m = Mutation::SetExtents {
+        ino: f,
+        off: 4096,
+        len: 4096,
+        extents: vec![written],
+        size_at_least: Some(8192),
+        touch_mtime: true,
+    };
+    let o = w.run(m).await.unwrap();
+    assert!(
+        o.freed.is_empty(),
+        "converting in place frees nothing: {:?}",
+        o.freed
+    );
+    assert_eq!(o.attr.unwrap().size, 8192);
+    let ex = w.extents(f).await;
+    assert_eq!(ex.len(), 3);
+    assert_eq!(
+        ex[0],
+        Extent {
+            file_off: 0,
+            len: 4096,
+            dev_off: 65536,
+            unwritten: true
+        }
+    );
+    assert_eq!(ex[1], written);
+    assert_eq!(
+        ex[2],
+        Extent {
+            file_off: 8192,
+            len: 8192,
+            dev_off: 65536 + 8192,
+            unwritten: true
+        }
+    );
+    // Punch 2K..10K: trims the head, drops the middle, trims the tail.
+    let m = Mutation::SetExtents {
+        ino: f,
+        off: 2048,
+        len: 8192,
+        extents: vec![],
+        size_at_least: None,
+        touch_mtime: false,
+    };
+    let o = w.run(m).await.unwrap();
+    let mut freed = o.freed.clone();
+    freed.sort();
+    assert_eq!(
+        freed,
+        vec![
+            DevRange {
+                dev_off: 65536 + 2048,
+                len: 2048
+            },
+            DevRange {
+                dev_off: 65536 + 4096,
+                len: 4096
+            },
+            DevRange {
+                dev_off: 65536 + 8192,
+                len: 2048
+            },
+        ]
+    );
+    let ex = w.extents(f).await;
+    assert_eq!(
+        ex.iter().map(|e| (e.file_off, e.len)).collect::<Vec<_>>(),
+        vec![(0, 2048), (10240, 6144)]
+    );
+    // A concurrent extent write between plan and commit is caught.
+    let m = Mutation::SetExtents {
+        ino: f,
+        off: 2048,
+        len: 8192,
+        extents: vec![Extent {
+            file_off: 2048,
+            len: 4096,
+            dev_off: 1 << 30,
+            unwritten: false,
+        }],
+        size_at_least: None,
+        touch_mtime: false,
+    };
+    let (p, _) = w.plan(&m, &mut Snapshot::default()).await;
+    w.add_extent(f, 6144, 2048, 1 << 31).await;
+    assert!(w.apply(&p.unwrap()).await.is_err());
+}
+
+#[tokio::test]
+async fn reserve_inos_is_a_cas() {
+    let mut w = World::new().await;
+    let o = w.run(Mutation::ReserveInos { count: 1024 }).await.unwrap();
+    assert_eq!(o.inos, Some((1024, 2048)));
+    let m = Mutation::ReserveInos { count: 1024 };
+    let (stale, _) = w.plan(&m, &mut Snapshot::default()).await;
+    let o = w.run(Mutation::ReserveInos { count: 1024 }).await.unwrap();
+    assert_eq!(o.inos, Some((2048, 3072)));
+    assert!(
+        w.apply(&stale.unwrap()).await.is_err(),
+        "a stale reservation must not commit"
+    );
+}
+
+#[tokio::test]
+async fn touch_never_goes_backwards() {
+    let mut w = World::new().await;
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    let early = Mutation::Touch {
+        ino: d,
+        mtime: Some(Timespec::new(1, 0)),
+        ctime: Timespec::new(1, 0),
+    };
+    let o = w.run(early).await.unwrap();
+    assert_eq!(o.revision.0, 0);
+    assert!(o.attr.is_none(), "nothing written");
+    let late = Timespec::new(NOW.sec + 10, 0);
+    let o = w
+        .run(Mutation::Touch {
+            ino: d,
+            mtime: Some(late),
+            ctime: late,
+        })
+        .await
+        .unwrap();
+    assert_eq!(o.attr.unwrap().mtime, late);
+    let gone = Mutation::Touch {
+        ino: Ino(424_242),
+        mtime: None,
+        ctime: late,
+    };
+    assert!(w.run(gone).await.is_ok());
+}
+
+#[tokio::test]
+async fn corrupt_inode_names_the_key() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.kv.put_raw(&w.keys.inode(f), b"\x01\x02garbage");
+    let err = w
+        .run(Mutation::SetAttr {
+            ino: f,
+            set: SetAttr::default(),
+        })
+        .await
+        .unwrap_err();
+    match err {
+        MetaError::Corrupt { key, .. } => assert_eq!(key, format!("t/I {f}")),
+        other => panic!("unexpected {other:?}"),
+    }
+    let d = Dentry {
+        ino: f,
+        kind: FileType::Regular,
+    };
+    w.kv.put_raw(&w.keys.dentry(Ino::ROOT, b"bad"), &d.encode()[..3]);
+    let err = crate::reader::lookup(&w.kv, &w.keys, Ino::ROOT, b"bad")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, MetaError::Corrupt { key, .. } if key == "t/D 1 \"bad\""));
+}
+
+async fn lookup(w: &World, n: &str) -> Option<Dentry> {
+    crate::reader::lookup(&w.kv, &w.keys, Ino::ROOT, n.as_bytes())
+        .await
+        .unwrap()
+}

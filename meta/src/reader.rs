@@ -1,0 +1,291 @@
+//! Reads of metadata. Each is one etcd range request (linearizable: a read started
+//! after a mutation's ticket completed sees that mutation).
+
+use crate::{
+    codec::{decode_at, Dentry, Extent, InodeAttr, Owner, SuperRecord, SymlinkTarget, XattrValue},
+    error::MetaError,
+    keys::{KeyKind, Keyspace},
+    kv::{KvBackend, RangeRequest},
+    types::{Ino, Revision, SessionId},
+};
+
+/// One directory entry as listed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirEntry {
+    /// The name.
+    pub name: Vec<u8>,
+    /// The child.
+    pub entry: Dentry,
+    /// Readdir cookie of this entry ([`crate::keys::dir_cookie`]).
+    pub cookie: u64,
+}
+
+/// A page of a directory listing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirPage {
+    /// Entries in name order.
+    pub entries: Vec<DirEntry>,
+    /// More entries follow the last one.
+    pub more: bool,
+    /// Revision the page was read at.
+    pub revision: Revision,
+}
+
+/// A directory's whole name set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirNames {
+    /// All entries, in name order.
+    pub entries: Vec<DirEntry>,
+    /// Revision of the read (a watch from `revision + 1` keeps it current).
+    pub revision: Revision,
+}
+
+/// An orphan record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OrphanRec {
+    /// The unlinked-but-open inode.
+    pub ino: Ino,
+    /// The session that kept it open.
+    pub session: SessionId,
+}
+
+fn to_entries(keys: &Keyspace, kvs: &[crate::kv::KeyValue]) -> Result<Vec<DirEntry>, MetaError> {
+    kvs.iter()
+        .map(|kv| {
+            let Some(KeyKind::Dentry(_, name)) = keys.parse(&kv.key) else {
+                return Err(MetaError::Corrupt {
+                    key: keys.describe(&kv.key),
+                    reason: "not a dentry key".into(),
+                });
+            };
+            let entry: Dentry = decode_at(keys, &kv.key, &kv.value)?;
+            Ok(DirEntry {
+                cookie: crate::keys::dir_cookie(&name),
+                name,
+                entry,
+            })
+        })
+        .collect()
+}
+
+/// Reads an inode's attributes and mod revision.
+pub async fn get_inode(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+) -> Result<Option<(InodeAttr, Revision)>, MetaError> {
+    let key = keys.inode(ino);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    let Some(item) = r.kvs.first() else {
+        return Ok(None);
+    };
+    let attr: InodeAttr = decode_at(keys, &key, &item.value)?;
+    if attr.ino != ino {
+        return Err(MetaError::Corrupt {
+            key: keys.describe(&key),
+            reason: format!("inode record says ino {}", attr.ino),
+        });
+    }
+    Ok(Some((attr, Revision(item.mod_revision))))
+}
+
+/// Looks up one name.
+pub async fn lookup(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    parent: Ino,
+    name: &[u8],
+) -> Result<Option<Dentry>, MetaError> {
+    let key = keys.dentry(parent, name);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    r.kvs
+        .first()
+        .map(|item| decode_at(keys, &key, &item.value))
+        .transpose()
+}
+
+/// Lists up to `limit` entries of `parent` after `after` (None = from the start).
+pub async fn list_dir(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    parent: Ino,
+    after: Option<&[u8]>,
+    limit: usize,
+) -> Result<DirPage, MetaError> {
+    let range = match after {
+        Some(name) => keys.dentries_after(parent, name),
+        None => keys.dentries(parent),
+    };
+    let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+    let r = kv
+        .range(RangeRequest::range(range.start, range.end).limit(limit))
+        .await?;
+    Ok(DirPage {
+        entries: to_entries(keys, &r.kvs)?,
+        more: r.more,
+        revision: Revision(r.revision),
+    })
+}
+
+/// Reads a directory's entire name set in one range request, or `OverLimit` when it has
+/// more than `limit` entries (the caller then falls back to per-name lookups).
+pub async fn dir_names(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    parent: Ino,
+    limit: usize,
+) -> Result<DirNames, MetaError> {
+    let range = keys.dentries(parent);
+    let lim = i64::try_from(limit).unwrap_or(i64::MAX);
+    let r = kv
+        .range(RangeRequest::range(range.start, range.end).limit(lim))
+        .await?;
+    if r.more {
+        return Err(MetaError::OverLimit { limit });
+    }
+    Ok(DirNames {
+        entries: to_entries(keys, &r.kvs)?,
+        revision: Revision(r.revision),
+    })
+}
+
+/// Reads up to `limit` extents of `ino` covering offsets from `from` on (including one
+/// that starts before `from` and reaches past it). Returns the extents and whether more
+/// follow.
+pub async fn extents(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+    from: u64,
+    limit: usize,
+) -> Result<(Vec<Extent>, bool), MetaError> {
+    let decode = |item: &crate::kv::KeyValue| -> Result<Extent, MetaError> {
+        let Some(KeyKind::Extent(_, off)) = keys.parse(&item.key) else {
+            return Err(MetaError::Corrupt {
+                key: keys.describe(&item.key),
+                reason: "not an extent key".into(),
+            });
+        };
+        Extent::decode_value(off, &item.value).map_err(|e| e.at(keys.describe(&item.key)))
+    };
+    let mut out = Vec::new();
+    if from > 0 {
+        let before = RangeRequest::range(keys.extent(ino, 0), keys.extent(ino, from))
+            .descending()
+            .limit(1);
+        if let Some(item) = kv.range(before).await?.kvs.first() {
+            let e = decode(item)?;
+            if e.file_end() > from {
+                out.push(e);
+            }
+        }
+    }
+    let range = keys.extents_between(ino, from, u64::MAX);
+    let lim = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+    let r = kv
+        .range(RangeRequest::range(range.start, range.end).limit(lim))
+        .await?;
+    for item in &r.kvs {
+        out.push(decode(item)?);
+    }
+    Ok((out, r.more))
+}
+
+/// Reads a symlink's target.
+pub async fn readlink(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+) -> Result<Option<Vec<u8>>, MetaError> {
+    let key = keys.symlink(ino);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    r.kvs
+        .first()
+        .map(|item| decode_at::<SymlinkTarget>(keys, &key, &item.value).map(|t| t.0))
+        .transpose()
+}
+
+/// Reads one xattr.
+pub async fn get_xattr(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+    name: &[u8],
+) -> Result<Option<Vec<u8>>, MetaError> {
+    let key = keys.xattr(ino, name);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    r.kvs
+        .first()
+        .map(|item| decode_at::<XattrValue>(keys, &key, &item.value).map(|v| v.0))
+        .transpose()
+}
+
+/// Lists xattr names of `ino` (at most `limit`, else `OverLimit`).
+pub async fn list_xattrs(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+    limit: usize,
+) -> Result<Vec<Vec<u8>>, MetaError> {
+    let range = keys.xattrs(ino);
+    let lim = i64::try_from(limit).unwrap_or(i64::MAX);
+    let r = kv
+        .range(
+            RangeRequest::range(range.start, range.end)
+                .limit(lim)
+                .keys_only(),
+        )
+        .await?;
+    if r.more {
+        return Err(MetaError::OverLimit { limit });
+    }
+    Ok(r.kvs
+        .iter()
+        .filter_map(|item| match keys.parse(&item.key) {
+            Some(KeyKind::Xattr(_, name)) => Some(name),
+            _ => None,
+        })
+        .collect())
+}
+
+/// Reads the superblock record.
+pub async fn superblock(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+) -> Result<Option<SuperRecord>, MetaError> {
+    let key = keys.superblock();
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    r.kvs
+        .first()
+        .map(|item| decode_at(keys, &key, &item.value))
+        .transpose()
+}
+
+/// Lists orphan records (at most `limit`).
+pub async fn orphans(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    limit: usize,
+) -> Result<Vec<OrphanRec>, MetaError> {
+    let range = keys.orphans();
+    let lim = i64::try_from(limit).unwrap_or(i64::MAX);
+    let r = kv
+        .range(RangeRequest::range(range.start, range.end).limit(lim))
+        .await?;
+    r.kvs
+        .iter()
+        .map(|item| {
+            let Some(KeyKind::Orphan(ino)) = keys.parse(&item.key) else {
+                return Err(MetaError::Corrupt {
+                    key: keys.describe(&item.key),
+                    reason: "not an orphan key".into(),
+                });
+            };
+            let o: Owner = decode_at(keys, &item.key, &item.value)?;
+            Ok(OrphanRec {
+                ino,
+                session: o.session,
+            })
+        })
+        .collect()
+}
