@@ -11,7 +11,9 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::panic)]
 
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+/// The zerocopy traits the wire structs implement, re-exported so users of these structs
+/// (`as_bytes()`, `read_from_bytes()`) need no zerocopy dependency of their own.
+pub use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout};
 
 /// Protocol major version; the kernel and every daemon have spoken 7 since 2006.
 pub const FUSE_KERNEL_VERSION: u32 = 7;
