@@ -6,6 +6,7 @@ pub mod codec;
 pub mod conformance;
 pub mod error;
 pub mod etcd;
+pub mod format;
 pub mod keys;
 pub mod kv;
 pub mod model;

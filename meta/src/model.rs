@@ -26,9 +26,10 @@ use crate::{
 };
 
 /// Fault-injection knobs (all off by default).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
-    /// Every transaction waits this long (tokio time) before applying.
+    /// Every transaction with compares or writes waits this long (tokio time) before
+    /// applying; read-only transactions answer at once (commit latency dominates).
     pub txn_latency: Duration,
     /// The next N transactions fail with `Unavailable` without applying.
     pub unavailable_txns: u32,
@@ -37,6 +38,9 @@ pub struct Faults {
     pub compare_failure_per_mille: u32,
     /// Seed for the forced-failure coin.
     pub seed: u64,
+    /// One-shot interference: when a transaction arrives whose compares cover the
+    /// trigger key, first apply these puts (as another node winning the race would).
+    pub interfere: Option<(Vec<u8>, Vec<(Vec<u8>, Vec<u8>)>)>,
 }
 
 #[derive(Clone, Debug)]
@@ -198,6 +202,21 @@ impl MemEtcd {
                 if p.lease != 0 && !s.leases.contains_key(&p.lease) {
                     return Err(KvError::LeaseNotFound);
                 }
+            }
+        }
+        let triggered = s
+            .faults
+            .interfere
+            .as_ref()
+            .is_some_and(|(k, _)| txn.compares.iter().any(|c| c.covers(k)));
+        if triggered {
+            if let Some((_, writes)) = s.faults.interfere.take() {
+                let rev = s.rev + 1;
+                let mut events = Vec::new();
+                for (k, v) in writes {
+                    s.apply_put(&k, &v, 0, rev, &mut events);
+                }
+                s.commit(rev, events);
             }
         }
         let mut ok = txn.compares.iter().all(|c| {
@@ -463,7 +482,9 @@ impl KvBackend for MemEtcd {
     fn txn(&self, txn: Txn) -> BoxFut<'_, Result<TxnResponse, KvError>> {
         Box::pin(async move {
             let latency = self.lock().faults.txn_latency;
-            if !latency.is_zero() {
+            let read_only = txn.compares.is_empty()
+                && txn.success.iter().all(|op| matches!(op, TxnOp::Range(_)));
+            if !latency.is_zero() && !read_only {
                 tokio::time::sleep(latency).await;
             }
             self.txn_now(&txn)

@@ -210,9 +210,15 @@ impl Stats {
     }
 }
 
-/// A factory for the backend, run on the pipeline's runtime (etcd-client's channels
-/// must live on the runtime that drives them).
-pub type Connect = Box<dyn FnOnce() -> BoxFut<'static, Result<Arc<dyn KvBackend>, KvError>> + Send>;
+pub use self::commit_types::Connect;
+
+mod commit_types {
+    use super::*;
+    /// A factory for the backend, run on the pipeline's runtime (etcd-client's channels
+    /// must live on the runtime that drives them).
+    pub type Connect =
+        Box<dyn FnOnce() -> BoxFut<'static, Result<Arc<dyn KvBackend>, KvError>> + Send>;
+}
 
 /// The running pipeline: owns the thread. Drop or [`Pipeline::shutdown`] to stop it
 /// (pending timestamps are written first).

@@ -1,0 +1,422 @@
+//! Pipeline tests on the in-memory model: grouping, conflict-only retry, inode
+//! reservation across sessions, directory timestamp coalescing and flush, back-pressure,
+//! corrupt values, an unreachable etcd.
+#![allow(clippy::unwrap_used, clippy::panic)]
+
+use std::{
+    collections::HashSet,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use meta::{
+    clock::{Clock, ManualClock},
+    codec::{InodeAttr, Record, SuperRecord},
+    error::MetaError,
+    etcd::{EtcdBackend, EtcdConfig},
+    format::{format, RootOwner},
+    keys::Keyspace,
+    kv::KvBackend,
+    model::{Faults, MemEtcd},
+    pipeline::{Config, Mutation, NewInode, Pipeline, SetAttr},
+    types::{FileType, Ino, SessionId, Timespec},
+};
+
+const T0: Timespec = Timespec::new(1_700_000_000, 0);
+
+fn sb() -> SuperRecord {
+    SuperRecord {
+        uuid: [1; 16],
+        format_version: 1,
+        block_size: 4096,
+        group_size: 1 << 26,
+        group_count: 16,
+        device_size: 1 << 30,
+        created: T0,
+    }
+}
+
+async fn formatted(clock: Arc<ManualClock>) -> (Arc<MemEtcd>, Keyspace) {
+    let kv = Arc::new(MemEtcd::new(clock));
+    let keys = Keyspace::new("fs").unwrap();
+    let root = RootOwner {
+        uid: 0,
+        gid: 0,
+        perm: 0o755,
+    };
+    format(&*kv, &keys, &sb(), root, T0, false).await.unwrap();
+    assert_eq!(
+        format(&*kv, &keys, &sb(), root, T0, false).await,
+        Err(MetaError::Exists)
+    );
+    (kv, keys)
+}
+
+fn start(
+    kv: Arc<MemEtcd>,
+    keys: &Keyspace,
+    session: u64,
+    clock: Arc<ManualClock>,
+    cfg: Config,
+) -> Pipeline {
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv as Arc<dyn KvBackend>) }));
+    Pipeline::start(
+        connect,
+        keys.clone(),
+        SessionId(session),
+        clock as Arc<dyn Clock>,
+        cfg,
+    )
+    .unwrap()
+}
+
+fn create(parent: Ino, name: &str, kind: FileType) -> Mutation {
+    Mutation::Create {
+        parent,
+        name: name.as_bytes().to_vec(),
+        inode: NewInode {
+            kind,
+            perm: 0o644,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            flags: 0,
+        },
+        symlink: None,
+    }
+}
+
+fn clock() -> Arc<ManualClock> {
+    Arc::new(ManualClock::new(T0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_are_grouped() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    kv.set_faults(Faults {
+        txn_latency: Duration::from_millis(5),
+        ..Default::default()
+    });
+    let p = start(
+        kv.clone(),
+        &keys,
+        1,
+        c,
+        Config {
+            txns_in_flight_max: 2,
+            ..Config::default()
+        },
+    );
+    let client = p.client();
+    let n = 200;
+    let tickets: Vec<_> = (0..n)
+        .map(|i| {
+            client
+                .submit(create(Ino::ROOT, &format!("f{i}"), FileType::Regular))
+                .unwrap()
+        })
+        .collect();
+    let mut inos = HashSet::new();
+    for t in tickets {
+        let o = t.await.unwrap();
+        assert!(o.revision.0 > 0);
+        inos.insert(o.ino.unwrap());
+    }
+    assert_eq!(inos.len(), n);
+    let s = client.stats();
+    eprintln!(
+        "grouping: {s:?} mean {:.1} mutations/txn",
+        s.mutations_per_txn()
+    );
+    assert!(
+        s.txns_committed < n as u64 / 4,
+        "expected grouping, got {} txns",
+        s.txns_committed
+    );
+    assert!(s.mutations_per_txn() > 4.0);
+    assert!(
+        s.mutations_per_txn_max <= 64,
+        "each create is 2 ops; 128 ops per txn max"
+    );
+    let names = client.dir_names(Ino::ROOT, 4096).unwrap().await.unwrap();
+    assert_eq!(names.entries.len(), n);
+    let capped = client.dir_names(Ino::ROOT, 100).unwrap().await;
+    assert_eq!(capped, Err(MetaError::OverLimit { limit: 100 }));
+    let page = client
+        .list_dir(Ino::ROOT, Some(b"f10".to_vec()), 3)
+        .unwrap()
+        .await
+        .unwrap();
+    let got: Vec<_> = page.entries.iter().map(|e| e.name.clone()).collect();
+    assert_eq!(
+        got,
+        vec![b"f100".to_vec(), b"f101".to_vec(), b"f102".to_vec()]
+    );
+    assert!(page.more);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_conflicting_mutation_is_replanned() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let cfg = Config {
+        txns_in_flight_max: 1,
+        ..Config::default()
+    };
+    let p = start(kv.clone(), &keys, 1, c, cfg);
+    let client = p.client();
+    let f = client
+        .commit(create(Ino::ROOT, "f", FileType::Regular))
+        .unwrap()
+        .ino
+        .unwrap();
+    // Another node rewrites f's inode (uid 77) right before our batch commits.
+    let mut theirs = client.get_inode(f).unwrap().await.unwrap().unwrap().0;
+    theirs.uid = 77;
+    kv.set_faults(Faults {
+        txn_latency: Duration::from_millis(30),
+        interfere: Some((keys.inode(f), vec![(keys.inode(f), theirs.encode())])),
+        ..Default::default()
+    });
+    let before = client.stats();
+    // The blocker holds the only txn slot while setattr reads f; then setattr and the
+    // independent create go in one txn, which the interference fails.
+    let blocker = client
+        .submit(create(Ino::ROOT, "blocker", FileType::Regular))
+        .unwrap();
+    let set = SetAttr {
+        perm: Some(0o600),
+        ..Default::default()
+    };
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let t1 = client.submit(Mutation::SetAttr { ino: f, set }).unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let t2 = client
+        .submit(create(Ino::ROOT, "g", FileType::Regular))
+        .unwrap();
+    blocker.await.unwrap();
+    let a = t1.await.unwrap().attr.unwrap();
+    t2.await.unwrap();
+    assert_eq!(
+        (a.uid, a.perm),
+        (77, 0o600),
+        "re-planned on the winner's value"
+    );
+    let s = client.stats();
+    eprintln!("conflict: {s:?}");
+    assert_eq!(s.compare_failures - before.compare_failures, 1);
+    assert_eq!(
+        s.conflicted_mutations - before.conflicted_mutations,
+        1,
+        "only setattr re-planned"
+    );
+    assert_eq!(
+        s.retries - before.retries,
+        2,
+        "the create was resent as planned"
+    );
+    assert!(s.mutations_per_txn_max >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inode_numbers_reserved_in_blocks_across_sessions() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p1 = start(kv.clone(), &keys, 1, c.clone(), Config::default());
+    let p2 = start(kv.clone(), &keys, 2, c, Config::default());
+    let (a, b) = (p1.client(), p2.client());
+    let d1 = a
+        .commit(create(Ino::ROOT, "d1", FileType::Directory))
+        .unwrap()
+        .ino
+        .unwrap();
+    let d2 = b
+        .commit(create(Ino::ROOT, "d2", FileType::Directory))
+        .unwrap()
+        .ino
+        .unwrap();
+    let n = 1500;
+    let run = |cl: meta::pipeline::MetaClient, d: Ino| {
+        std::thread::spawn(move || {
+            let ts: Vec<_> = (0..n)
+                .map(|i| {
+                    cl.submit_blocking(create(d, &format!("x{i}"), FileType::Regular))
+                        .unwrap()
+                })
+                .collect();
+            ts.into_iter()
+                .map(|t| t.wait().unwrap().ino.unwrap().0)
+                .collect::<Vec<u64>>()
+        })
+    };
+    let (ha, hb) = (run(a.clone(), d1), run(b.clone(), d2));
+    let (ia, ib) = (ha.join().unwrap(), hb.join().unwrap());
+    let all: HashSet<u64> = ia.iter().chain(&ib).copied().collect();
+    assert_eq!(all.len(), 2 * n, "no inode number handed out twice");
+    assert!(all.iter().all(|&i| i >= Ino::FIRST_DYNAMIC));
+    let blocks_a: HashSet<u64> = ia.iter().map(|i| i / 1024).collect();
+    let blocks_b: HashSet<u64> = ib.iter().map(|i| i / 1024).collect();
+    assert!(
+        blocks_a.is_disjoint(&blocks_b),
+        "each block belongs to one session"
+    );
+    let (sa, sb) = (a.stats(), b.stats());
+    assert!(
+        sa.ino_blocks_reserved >= 2 && sa.ino_blocks_reserved <= 4,
+        "{sa:?}"
+    );
+    assert!(
+        sb.ino_blocks_reserved >= 2 && sb.ino_blocks_reserved <= 4,
+        "{sb:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dir_timestamps_are_coalesced_and_flushed() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p = start(
+        kv.clone(),
+        &keys,
+        1,
+        c.clone(),
+        Config {
+            flush_interval_ms: 1000,
+            ..Config::default()
+        },
+    );
+    let client = p.client();
+    let d = client
+        .commit(create(Ino::ROOT, "d", FileType::Directory))
+        .unwrap()
+        .ino
+        .unwrap();
+    let mtime0 = client.get_inode(d).unwrap().await.unwrap().unwrap().0.mtime;
+    c.advance(Duration::from_millis(10));
+    let ts: Vec<_> = (0..50)
+        .map(|i| {
+            client
+                .submit(create(d, &format!("f{i}"), FileType::Regular))
+                .unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.await.unwrap();
+    }
+    let s = client.stats();
+    assert_eq!(s.touches_written, 0, "nothing written before the interval");
+    assert_eq!(s.touches_coalesced, 49);
+    assert_eq!(
+        client.get_inode(d).unwrap().await.unwrap().unwrap().0.mtime,
+        mtime0
+    );
+    // The interval passes: exactly one write.
+    c.advance(Duration::from_millis(1000));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let a: InodeAttr = client.get_inode(d).unwrap().await.unwrap().unwrap().0;
+        if a.mtime > mtime0 {
+            assert_eq!(a.mtime, Timespec::new(T0.sec, 10_000_000));
+            break;
+        }
+        assert!(Instant::now() < deadline, "timestamp never written");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(client.stats().touches_written, 1);
+    // More creates, then a flush barrier writes the timestamp now, without waiting.
+    c.advance(Duration::from_millis(10));
+    for i in 0..5 {
+        client
+            .submit(create(d, &format!("g{i}"), FileType::Regular))
+            .unwrap();
+    }
+    client.flush(Some(d)).unwrap().await.unwrap();
+    assert_eq!(client.stats().touches_written, 2);
+    let a = client.get_inode(d).unwrap().await.unwrap().unwrap().0;
+    assert_eq!(a.mtime, Timespec::new(T0.sec + 1, 20_000_000));
+    assert_eq!(
+        client
+            .list_dir(d, None, 100)
+            .unwrap()
+            .await
+            .unwrap()
+            .entries
+            .len(),
+        55
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_queue_pushes_back() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    kv.set_faults(Faults {
+        txn_latency: Duration::from_millis(200),
+        ..Default::default()
+    });
+    let cfg = Config {
+        submit_queue_max: 4,
+        pending_max: 2,
+        txns_in_flight_max: 1,
+        ..Config::default()
+    };
+    let p = start(kv.clone(), &keys, 1, c, cfg);
+    let client = p.client();
+    let mut accepted = Vec::new();
+    let mut full = 0;
+    for i in 0..50 {
+        match client.submit(create(Ino::ROOT, &format!("f{i}"), FileType::Regular)) {
+            Ok(t) => accepted.push(t),
+            Err(MetaError::QueueFull) => full += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(full > 0, "the queue must refuse past its bound");
+    assert!(accepted.len() <= 4 + 2 + 1, "accepted {}", accepted.len());
+    for t in accepted {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_value_reports_the_key() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p = start(kv.clone(), &keys, 1, c, Config::default());
+    let client = p.client();
+    let f = client
+        .commit(create(Ino::ROOT, "f", FileType::Regular))
+        .unwrap()
+        .ino
+        .unwrap();
+    kv.put_raw(&keys.inode(f), b"\x01short");
+    let err = client
+        .commit(Mutation::SetAttr {
+            ino: f,
+            set: SetAttr::default(),
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&err, MetaError::Corrupt { key, .. } if *key == format!("fs/I {f}")),
+        "{err}"
+    );
+    let err = client.get_inode(f).unwrap().await.unwrap_err();
+    assert!(matches!(err, MetaError::Corrupt { .. }));
+}
+
+#[test]
+fn unreachable_etcd_fails_pipeline_start_within_5s() {
+    let t = Instant::now();
+    let connect: meta::pipeline::Connect = Box::new(|| {
+        Box::pin(async {
+            let cfg = EtcdConfig::new(vec!["http://127.0.0.1:1".into()]);
+            Ok(Arc::new(EtcdBackend::connect(&cfg).await?) as Arc<dyn KvBackend>)
+        })
+    });
+    let keys = Keyspace::new("fs").unwrap();
+    let r = Pipeline::start(connect, keys, SessionId(1), clock(), Config::default());
+    assert!(matches!(r, Err(MetaError::Unavailable(_))), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
