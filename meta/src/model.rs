@@ -25,6 +25,9 @@ use crate::{
     },
 };
 
+/// A trigger key and the puts applied when a transaction compares it.
+pub type Interference = (Vec<u8>, Vec<(Vec<u8>, Vec<u8>)>);
+
 /// Fault-injection knobs (all off by default).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
@@ -40,7 +43,7 @@ pub struct Faults {
     pub seed: u64,
     /// One-shot interference: when a transaction arrives whose compares cover the
     /// trigger key, first apply these puts (as another node winning the race would).
-    pub interfere: Option<(Vec<u8>, Vec<(Vec<u8>, Vec<u8>)>)>,
+    pub interfere: Option<Interference>,
 }
 
 #[derive(Clone, Debug)]
