@@ -400,6 +400,12 @@ pub trait KvBackend: Send + Sync {
     ) -> BoxFut<'_, Result<WatchStream, KvError>>;
 }
 
+impl std::fmt::Debug for dyn KvBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvBackend")
+    }
+}
+
 /// Whether `key` lies in `[start, end)` (or equals `start` when `end` is `None`).
 pub fn in_range(start: &[u8], end: Option<&[u8]>, key: &[u8]) -> bool {
     match end {

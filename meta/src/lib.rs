@@ -12,4 +12,5 @@ pub mod kv;
 pub mod model;
 pub mod pipeline;
 pub mod reader;
+pub mod session;
 pub mod types;
