@@ -420,3 +420,96 @@ fn unreachable_etcd_fails_pipeline_start_within_5s() {
     assert!(matches!(r, Err(MetaError::Unavailable(_))), "{r:?}");
     assert!(t.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn pipeline_on_real_etcd() {
+    let Ok(eps) = std::env::var("ETCD_ENDPOINTS") else {
+        eprintln!("SKIP: pipeline_on_real_etcd needs a real etcd (set ETCD_ENDPOINTS)");
+        return;
+    };
+    let eps: Vec<String> = eps.split(',').map(|s| s.trim().to_owned()).collect();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let keys = Keyspace::new(&format!("etcfs-test-{nanos:x}")).unwrap();
+    let (k2, sb2) = (keys.clone(), sb());
+    let connect: meta::pipeline::Connect = Box::new(move || {
+        Box::pin(async move {
+            let kv = EtcdBackend::connect(&EtcdConfig::new(eps)).await?;
+            let root = RootOwner {
+                uid: 0,
+                gid: 0,
+                perm: 0o755,
+            };
+            format(&kv, &k2, &sb2, root, T0, false)
+                .await
+                .map_err(|e| meta::error::KvError::Other(e.to_string()))?;
+            Ok(Arc::new(kv) as Arc<dyn KvBackend>)
+        })
+    });
+    let clock = Arc::new(meta::clock::SystemClock::new());
+    let p = Pipeline::start(
+        connect,
+        keys.clone(),
+        SessionId(1),
+        clock,
+        Config::default(),
+    )
+    .unwrap();
+    let client = p.client();
+    let d = client
+        .commit(create(Ino::ROOT, "d", FileType::Directory))
+        .unwrap()
+        .ino
+        .unwrap();
+    let n = 300;
+    let ts: Vec<_> = (0..n)
+        .map(|i| {
+            client
+                .submit_blocking(create(d, &format!("f{i}"), FileType::Regular))
+                .unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.wait().unwrap();
+    }
+    let s = client.stats();
+    eprintln!(
+        "real etcd: {n} creates, {:.1} mutations/txn, {s:?}",
+        s.mutations_per_txn()
+    );
+    assert!(s.txns_committed < n as u64, "creates were grouped");
+    let names = client.dir_names(d, 4096).unwrap().wait().unwrap();
+    assert_eq!(names.entries.len(), n);
+    let rm = |name: String| Mutation::Unlink {
+        parent: d,
+        name: name.into_bytes(),
+        dir: false,
+        keep_open: false,
+    };
+    let ts: Vec<_> = (0..n)
+        .map(|i| client.submit_blocking(rm(format!("f{i}"))).unwrap())
+        .collect();
+    for t in ts {
+        assert!(t.wait().unwrap().removed.is_some());
+    }
+    let rmdir = Mutation::Unlink {
+        parent: Ino::ROOT,
+        name: b"d".to_vec(),
+        dir: true,
+        keep_open: false,
+    };
+    client.flush(None).unwrap().wait().unwrap();
+    client.commit(rmdir).unwrap();
+    // Clean up the prefix.
+    let kv = p.backend();
+    let all = keys.all();
+    let cleanup = meta::kv::Txn {
+        success: vec![meta::kv::TxnOp::delete_range(all.start, all.end, false)],
+        ..Default::default()
+    };
+    p.runtime()
+        .block_on(async move { kv.txn(cleanup).await })
+        .unwrap();
+}
