@@ -1,1 +1,105 @@
-fn main() {}
+//! `etcfs`: the daemon and command-line tool of the etcfs cluster filesystem.
+//!
+//! This is the only place that reads the environment, installs the logger and exits the
+//! process; everything else returns errors.
+
+mod control;
+mod daemon;
+mod memfs;
+
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "etcfs",
+    version,
+    about = "A POSIX cluster filesystem coordinated by etcd"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Mount a filesystem (in the background unless --foreground).
+    Mount(MountArgs),
+    /// Print live per-operation statistics of a mounted filesystem.
+    Stats {
+        /// Where the filesystem is mounted.
+        mountpoint: PathBuf,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which FUSE transport serves the mount.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub(crate) enum Transport {
+    /// FUSE-over-io_uring when the kernel offers it (turning it on as root), else devfuse.
+    Auto,
+    /// FUSE-over-io_uring (Linux 6.14+).
+    Uring,
+    /// Classic /dev/fuse, driven through io_uring, READ replies spliced.
+    Devfuse,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct MountArgs {
+    /// Directory to mount on.
+    pub(crate) mountpoint: PathBuf,
+    /// Serve a filesystem held in memory (a test fixture and transport baseline).
+    #[arg(long)]
+    pub(crate) memfs: bool,
+    /// FUSE transport.
+    #[arg(long, value_enum, default_value_t = Transport::Auto)]
+    pub(crate) transport: Transport,
+    /// CPUs to run one pinned worker on each, e.g. `0-3,6` (default: every allowed CPU).
+    #[arg(long)]
+    pub(crate) cpus: Option<String>,
+    /// Record per-op latency histograms (see `etcfs stats`).
+    #[arg(long)]
+    pub(crate) perf: bool,
+    /// Stay in the foreground instead of detaching once mounted.
+    #[arg(short, long)]
+    pub(crate) foreground: bool,
+    /// Let users other than root use the mount.
+    #[arg(long)]
+    pub(crate) allow_other: bool,
+    /// Seconds the kernel may cache attributes.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) attr_timeout: f64,
+    /// Seconds the kernel may cache names.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) entry_timeout: f64,
+    /// FUSE ring entries registered per CPU queue (each holds a 1 MiB buffer).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(crate) ring_entries_per_queue: u32,
+    /// Reads kept outstanding per worker on /dev/fuse.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(crate) devfuse_reads_per_core: u32,
+    /// Where the background daemon writes its log.
+    #[arg(long)]
+    pub(crate) log_file: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_target(false)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Mount(args) => daemon::mount(args),
+        Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("etcfs: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

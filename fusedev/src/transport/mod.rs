@@ -1,0 +1,493 @@
+//! The two transports that carry FUSE requests between the kernel and a [`Handler`], and the
+//! session that picks one, negotiates INIT and runs the per-core workers.
+//!
+//! * [`ring`]: FUSE-over-io_uring (kernel 6.14+). One queue per possible CPU; each queue's
+//!   entries are registered by the worker pinned to that CPU (or, for CPUs without a worker,
+//!   by a worker chosen round-robin). A request and its reply are one `URING_CMD`
+//!   (COMMIT_AND_FETCH). FORGET, BATCH_FORGET and INTERRUPT still arrive on `/dev/fuse`, so a
+//!   sideband thread reads it.
+//! * [`devfuse`]: classic `/dev/fuse`, cloned per worker, read and written with io_uring SQEs
+//!   on each worker's ring; READ replies backed by a file descriptor are spliced through a
+//!   pipe.
+//!
+//! Both transports follow one rule: every request that expects a reply gets exactly one,
+//! whatever happens in the handler (a panic becomes EIO), because a lost reply leaves the
+//! caller in uninterruptible sleep and makes unmount hang.
+
+pub mod devfuse;
+pub mod ring;
+
+use std::{
+    io,
+    os::fd::RawFd,
+    panic::{catch_unwind, AssertUnwindSafe},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc, Mutex,
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use uring::Waker;
+use zerocopy::IntoBytes;
+
+use crate::{
+    errno::Errno,
+    init::{self, InitConfig, Negotiated},
+    mount::Mount,
+    opcode::Opcode,
+    request::{self, Operation, Request},
+    server::{Handler, Reply, RequestCtx},
+};
+
+/// Bytes of a request beyond its data: the largest fixed header plus argument.
+pub const REQUEST_HEADER_ROOM: usize = 4096;
+/// Size of `fuse_out_header`.
+pub const OUT_HEADER_LEN: usize = 16;
+/// `max_write` when requests travel over the ring: the kernel's largest request (256 pages).
+pub const RING_MAX_WRITE: u32 = 1 << 20;
+/// `max_write` on `/dev/fuse`: a spliced reply must fit whole in a pipe, pipes are capped at
+/// 1 MiB without CAP_SYS_RESOURCE, and a pipe slot is a page, so 512 KiB leaves room.
+pub const DEVFUSE_MAX_WRITE: u32 = 512 << 10;
+
+/// Which transport the user asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// The ring when the kernel offers it, otherwise `/dev/fuse`.
+    Auto,
+    /// FUSE-over-io_uring; an error if the kernel does not offer it.
+    Uring,
+    /// Classic `/dev/fuse`.
+    Devfuse,
+}
+
+/// Limits and placement of a session.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// Transport wanted.
+    pub transport: TransportChoice,
+    /// One worker per listed CPU, pinned to it.
+    pub cpus: Vec<usize>,
+    /// Ring entries registered per FUSE queue (each owns a `max_write` payload buffer).
+    pub ring_entries_per_queue: usize,
+    /// Reads kept outstanding per `/dev/fuse` worker.
+    pub devfuse_reads_per_core: usize,
+}
+
+/// The transport serving a mount, as reported by `etcfs stats`.
+#[derive(Debug, Clone)]
+pub struct TransportInfo {
+    /// `uring` or `devfuse`.
+    pub kind: &'static str,
+    /// Why this transport was chosen when it was not the one asked for.
+    pub note: Option<String>,
+}
+
+impl std::fmt::Display for TransportInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.note {
+            Some(n) => write!(f, "{} ({n})", self.kind),
+            None => f.write_str(self.kind),
+        }
+    }
+}
+
+/// Why a session could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("reading FUSE_INIT from the kernel failed: {0}")]
+    InitRead(io::Error),
+    #[error("the kernel's first message was not a valid FUSE_INIT: {0}")]
+    InitDecode(String),
+    #[error("FUSE_INIT negotiation failed: {0}")]
+    Negotiate(String),
+    #[error("writing the FUSE_INIT reply failed: {0}")]
+    InitWrite(io::Error),
+    #[error(
+        "the kernel does not offer FUSE-over-io_uring (needs Linux 6.14+ with \
+         /sys/module/fuse/parameters/enable_uring=Y); use --transport auto or devfuse"
+    )]
+    UringUnavailable,
+    #[error("starting worker threads failed: {0}")]
+    Spawn(io::Error),
+}
+
+/// Everything a worker needs, shared by all workers of a session.
+pub(crate) struct Shared {
+    pub(crate) mount: Arc<Mount>,
+    pub(crate) handler: Arc<dyn Handler>,
+    pub(crate) perf: Arc<perf::Registry>,
+    pub(crate) negotiated: Negotiated,
+    pub(crate) stop: AtomicBool,
+}
+
+/// A running session: its workers serve until the filesystem is unmounted or [`stop`] is
+/// called.
+///
+/// [`stop`]: Session::stop
+pub struct Session {
+    shared: Arc<Shared>,
+    info: TransportInfo,
+    threads: Vec<JoinHandle<()>>,
+    sideband: Option<JoinHandle<()>>,
+    wakers: Arc<Mutex<Vec<Waker>>>,
+}
+
+impl Session {
+    /// Reads FUSE_INIT from the freshly mounted connection, negotiates, picks the transport and
+    /// starts the workers. `perf` must have one core slot per CPU in `cfg.cpus` plus one for
+    /// the sideband reader (the last slot).
+    pub fn start(
+        mount: Arc<Mount>,
+        handler: Arc<dyn Handler>,
+        perf: Arc<perf::Registry>,
+        cfg: &SessionConfig,
+        uring_possible: bool,
+    ) -> Result<Session, SessionError> {
+        assert!(
+            !cfg.cpus.is_empty(),
+            "a session needs at least one worker CPU"
+        );
+        let mut buf = vec![0u8; 64 << 10];
+        let n = loop {
+            // SAFETY: reads into a live, writable buffer of the length passed.
+            let n = unsafe { libc::read(mount.fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n >= 0 {
+                break n as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(SessionError::InitRead(e));
+            }
+        };
+        let req =
+            request::decode(&buf[..n]).map_err(|e| SessionError::InitDecode(e.to_string()))?;
+        let Operation::Init(ref kernel_init) = req.op else {
+            return Err(SessionError::InitDecode(format!(
+                "got opcode {}",
+                req.header.opcode
+            )));
+        };
+        let offered = init::kernel_offers_uring(kernel_init);
+        let use_ring = match cfg.transport {
+            TransportChoice::Devfuse => false,
+            TransportChoice::Uring if !offered => return Err(SessionError::UringUnavailable),
+            TransportChoice::Uring => true,
+            TransportChoice::Auto => offered && uring_possible,
+        };
+        let max_write = if use_ring {
+            RING_MAX_WRITE
+        } else {
+            DEVFUSE_MAX_WRITE
+        };
+        let init_cfg = InitConfig {
+            max_write,
+            max_pages: u16::try_from(max_write / 4096).expect("at most 256 pages"),
+            over_io_uring: use_ring,
+            splice_write: true,
+            ..InitConfig::default()
+        };
+        let (init_out, negotiated) = init::negotiate(kernel_init, &init_cfg)
+            .map_err(|e| SessionError::Negotiate(e.to_string()))?;
+        let mut reply = Vec::with_capacity(OUT_HEADER_LEN + 64);
+        let init_out = init_out.as_bytes();
+        reply.extend_from_slice(&out_header(req.header.unique, 0, init_out.len()));
+        reply.extend_from_slice(init_out);
+        mount
+            .write_message(&reply)
+            .map_err(SessionError::InitWrite)?;
+        handler.init(&negotiated);
+        log::info!(
+            "FUSE {}.{} negotiated: max_write {} KiB, flags {:#x}",
+            negotiated.major,
+            negotiated.minor,
+            negotiated.max_write >> 10,
+            negotiated.flags
+        );
+
+        let shared = Arc::new(Shared {
+            mount,
+            handler,
+            perf,
+            negotiated,
+            stop: AtomicBool::new(false),
+        });
+        let wakers = Arc::new(Mutex::new(Vec::new()));
+        let mut threads = Vec::new();
+        let mut sideband_thread = None;
+        let sideband_core = cfg.cpus.len();
+        let mut info = TransportInfo {
+            kind: "devfuse",
+            note: None,
+        };
+        if !use_ring && cfg.transport == TransportChoice::Auto {
+            info.note = Some(if offered {
+                "FUSE-over-io_uring offered but not usable here".to_string()
+            } else {
+                "kernel does not offer FUSE-over-io_uring".to_string()
+            });
+        }
+        if use_ring {
+            // FORGET, INTERRUPT and requests queued before the ring became ready come here.
+            let s = shared.clone();
+            sideband_thread = Some(spawn("etcfs-sideband", move || {
+                sideband(&s, sideband_core)
+            })?);
+            match ring::start(&shared, cfg, &wakers) {
+                Ok(t) => {
+                    threads.extend(t);
+                    info.kind = "uring";
+                }
+                Err((t, why)) => {
+                    log::warn!(
+                        "FUSE-over-io_uring registration failed, falling back to /dev/fuse: {why}"
+                    );
+                    stop_and_join(&shared, &wakers, t);
+                    shared.stop.store(false, Ordering::SeqCst);
+                    info.note = Some(format!("fallback: ring registration failed: {why}"));
+                }
+            }
+        }
+        if info.kind == "devfuse" {
+            threads.extend(devfuse::start(&shared, cfg, &wakers)?);
+        }
+        log::info!(
+            "serving {} with transport {info}",
+            shared.mount.mountpoint().display()
+        );
+        Ok(Session {
+            shared,
+            info,
+            threads,
+            sideband: sideband_thread,
+            wakers,
+        })
+    }
+
+    /// The transport serving the mount.
+    pub fn transport(&self) -> &TransportInfo {
+        &self.info
+    }
+
+    /// Asks every worker to stop after the request it is serving. Unmount first, or requests
+    /// issued afterwards find no server (they fail with ENOTCONN once the device closes).
+    pub fn stop(&self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        for w in self.wakers.lock().expect("waker list").iter() {
+            w.wake();
+        }
+    }
+
+    /// A handle to stop the session from another thread (a signal handler thread).
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            shared: self.shared.clone(),
+            wakers: self.wakers.clone(),
+        }
+    }
+
+    /// Waits for every worker to finish: after unmount, or after [`Session::stop`]. The
+    /// sideband reader blocks in read(2) until the connection ends, so after a stop it is
+    /// left to end with the process (closing the device aborts the connection).
+    pub fn wait(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+        if let Some(t) = self.sideband {
+            if !self.shared.stop.load(Ordering::SeqCst) {
+                let _ = t.join();
+            }
+        }
+        self.shared.handler.destroy();
+    }
+}
+
+/// Stops a session from another thread.
+#[derive(Clone)]
+pub struct Stopper {
+    shared: Arc<Shared>,
+    wakers: Arc<Mutex<Vec<Waker>>>,
+}
+
+impl Stopper {
+    /// Unmounts (lazily when busy) and stops the workers.
+    pub fn shutdown(&self) {
+        if let Err(e) = self.shared.mount.unmount() {
+            log::warn!("unmount failed: {e}");
+        }
+        self.shared.stop.store(true, Ordering::SeqCst);
+        for w in self.wakers.lock().expect("waker list").iter() {
+            w.wake();
+        }
+    }
+}
+
+fn stop_and_join(shared: &Shared, wakers: &Mutex<Vec<Waker>>, threads: Vec<JoinHandle<()>>) {
+    shared.stop.store(true, Ordering::SeqCst);
+    for w in wakers.lock().expect("waker list").drain(..) {
+        w.wake();
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+pub(crate) fn spawn(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<JoinHandle<()>, SessionError> {
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(f)
+        .map_err(SessionError::Spawn)
+}
+
+/// `fuse_out_header` bytes.
+pub(crate) fn out_header(unique: u64, error: i32, args_len: usize) -> [u8; OUT_HEADER_LEN] {
+    let mut h = [0u8; OUT_HEADER_LEN];
+    let len = u32::try_from(OUT_HEADER_LEN + args_len).expect("replies are far below 4 GiB");
+    h[0..4].copy_from_slice(&len.to_ne_bytes());
+    h[4..8].copy_from_slice(&error.to_ne_bytes());
+    h[8..16].copy_from_slice(&unique.to_ne_bytes());
+    h
+}
+
+/// Dense index of an opcode for statistics.
+pub(crate) fn op_index(opcode: u32) -> usize {
+    Opcode::try_from(opcode)
+        .map(|o| o.index())
+        .unwrap_or(Opcode::UNKNOWN_INDEX)
+}
+
+/// Runs the handler, turning a panic into EIO so the request still gets its one reply.
+pub(crate) fn dispatch(
+    handler: &dyn Handler,
+    core: usize,
+    req: &Request<'_>,
+    out: &mut [u8],
+) -> Reply {
+    let ctx = RequestCtx { core };
+    match catch_unwind(AssertUnwindSafe(|| handler.handle(&ctx, req, out))) {
+        Ok(Reply::Bytes(n)) if n > out.len() => {
+            log::error!("handler replied {n} bytes into a {}-byte buffer", out.len());
+            Reply::Error(Errno::EIO)
+        }
+        Ok(r) => r,
+        Err(_) => {
+            log::error!(
+                "handler panicked on opcode {} (unique {})",
+                req.header.opcode,
+                req.header.unique
+            );
+            Reply::Error(Errno::EIO)
+        }
+    }
+}
+
+/// Reads `len` bytes of `fd` at `offset` into `buf`, retrying short reads until EOF.
+pub(crate) fn pread_full(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        let off = libc::off_t::try_from(offset + done as u64)
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: reads at most rest.len() bytes into a live, writable slice.
+        let n = unsafe { libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), off) };
+        match n {
+            0 => break,
+            n if n > 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// The blocking reader of the connection's original `/dev/fuse` descriptor, used beside the
+/// ring: the kernel keeps FORGET, BATCH_FORGET and INTERRUPT on the classic queue, and any
+/// request allocated before the ring became ready is read here too.
+fn sideband(shared: &Shared, core: usize) {
+    let recorder = shared.perf.core(core);
+    let size = shared.negotiated.max_write as usize + REQUEST_HEADER_ROOM;
+    let mut inbuf = vec![0u8; size];
+    let mut out = vec![0u8; OUT_HEADER_LEN + size];
+    let fd = shared.mount.fd();
+    loop {
+        // SAFETY: reads into a live, writable buffer of the length passed.
+        let n = unsafe { libc::read(fd, inbuf.as_mut_ptr().cast(), inbuf.len()) };
+        if n < 0 {
+            match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => continue,
+                Some(libc::ENODEV) => break,
+                _ => {
+                    log::warn!("sideband read: {}", io::Error::last_os_error());
+                    break;
+                }
+            }
+        }
+        let msg = &inbuf[..n as usize];
+        let req = match request::decode(msg) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("undecodable request on /dev/fuse: {e}");
+                if let Some(unique) = request::peek_unique(msg) {
+                    let h = out_header(unique, -libc::EIO, 0);
+                    let _ = shared.mount.write_message(&h);
+                }
+                continue;
+            }
+        };
+        let op = op_index(req.header.opcode);
+        recorder.count(op);
+        let t = recorder.timer();
+        let (head, args) = out.split_at_mut(OUT_HEADER_LEN);
+        let reply = dispatch(shared.handler.as_ref(), core, &req, args);
+        let (error, len) = match reply {
+            Reply::None => continue,
+            Reply::Bytes(n) => (0, n),
+            Reply::Error(e) => (-e.raw(), 0),
+            Reply::Fd { fd, offset, len } => {
+                let len = len.min(args.len());
+                match pread_full(fd, &mut args[..len], offset) {
+                    Ok(n) => (0, n),
+                    Err(e) => (-e.raw_os_error().unwrap_or(libc::EIO), 0),
+                }
+            }
+        };
+        head.copy_from_slice(&out_header(req.header.unique, error, len));
+        if let Err(e) = shared.mount.write_message(&out[..OUT_HEADER_LEN + len]) {
+            if e.raw_os_error() == Some(libc::ENODEV) {
+                break;
+            }
+        }
+        recorder.record_since(op, perf::Stage::Total, &t);
+    }
+}
+
+/// Collects worker start reports: every worker says once whether it is serving.
+pub(crate) fn collect_starts(
+    rx: mpsc::Receiver<Result<(), String>>,
+    workers: usize,
+) -> Result<(), String> {
+    let mut first_err = None;
+    for _ in 0..workers {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert_with(|| "a worker did not report within 10 s".into());
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

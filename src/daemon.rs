@@ -1,0 +1,215 @@
+//! `etcfs mount`: mount, serve until unmounted or signalled, unmount on the way out.
+
+use std::{
+    os::unix::process::CommandExt as _,
+    path::Path,
+    process::{Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use fusedev::{
+    mount::{self, Mount, MountOptions},
+    opcode::Opcode,
+    server::Handler,
+    transport::{Session, SessionConfig, TransportChoice},
+};
+use signal_hook::{consts::SIGINT, consts::SIGTERM, iterator::Signals};
+
+use crate::{control, memfs, MountArgs, Transport};
+
+/// How long a detaching `etcfs mount` waits for its daemon to finish mounting.
+const MOUNT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub(crate) fn mount(args: MountArgs) -> Result<()> {
+    if !args.foreground {
+        return spawn_detached(&args);
+    }
+    let cpus = worker_cpus(args.cpus.as_deref())?;
+    if !args.memfs {
+        bail!(
+            "the etcd-backed filesystem is not built yet; mount the in-memory filesystem \
+             with --memfs"
+        );
+    }
+    let handler: Arc<dyn Handler> = Arc::new(memfs::MemFs::new(memfs::MemFsConfig {
+        attr_timeout: seconds(args.attr_timeout, "--attr-timeout")?,
+        entry_timeout: seconds(args.entry_timeout, "--entry-timeout")?,
+        uid: nix_uid(),
+        gid: nix_gid(),
+    }));
+    serve(&args, &cpus, handler)
+}
+
+fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<()> {
+    let choice = match args.transport {
+        Transport::Auto => TransportChoice::Auto,
+        Transport::Uring => TransportChoice::Uring,
+        Transport::Devfuse => TransportChoice::Devfuse,
+    };
+    let uring_possible = if choice == TransportChoice::Devfuse {
+        false
+    } else {
+        let (available, changed) = mount::ensure_uring_enabled();
+        if changed {
+            log::info!("turned on /sys/module/fuse/parameters/enable_uring for FUSE-over-io_uring");
+        }
+        available
+    };
+    if let Err(e) = mount::raise_nofile_limit() {
+        log::warn!("cannot raise the open-file limit: {e}");
+    }
+    // Signals are taken before mounting so a SIGTERM during start-up still unmounts.
+    let mut signals = Signals::new([SIGINT, SIGTERM]).context("install signal handlers")?;
+    let opts = MountOptions {
+        fsname: if args.memfs {
+            "etcfs-memfs".into()
+        } else {
+            "etcfs".into()
+        },
+        allow_other: args.allow_other,
+        uid: nix_uid(),
+        gid: nix_gid(),
+    };
+    let mnt = Arc::new(Mount::new(&args.mountpoint, &opts)?);
+    let names: Vec<&'static str> = Opcode::NAMES.to_vec();
+    let registry = perf::Registry::new(names, Vec::new(), cpus.len() + 1, args.perf);
+    let cfg = SessionConfig {
+        transport: choice,
+        cpus: cpus.to_vec(),
+        ring_entries_per_queue: args.ring_entries_per_queue as usize,
+        devfuse_reads_per_core: args.devfuse_reads_per_core as usize,
+    };
+    let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)
+        .with_context(|| format!("start serving {}", mnt.mountpoint().display()))?;
+    let transport = session.transport().to_string();
+    let report: Arc<control::ReportFn> = Arc::new(move |json| {
+        let mut r = registry.snapshot();
+        r.transport = transport.clone();
+        if json {
+            r.to_json()
+        } else {
+            r.to_text()
+        }
+    });
+    let socket = control::serve(mnt.mountpoint(), report)?;
+    let stopper = session.stopper();
+    std::thread::Builder::new()
+        .name("etcfs-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                log::info!("signal {sig}: unmounting");
+                stopper.shutdown();
+            }
+        })
+        .context("spawn signal thread")?;
+    println!(
+        "etcfs: mounted {} (transport {}, {} worker{})",
+        mnt.mountpoint().display(),
+        session.transport(),
+        cpus.len(),
+        if cpus.len() == 1 { "" } else { "s" }
+    );
+    session.wait();
+    let _ = std::fs::remove_file(socket);
+    mnt.unmount().context("unmount")?;
+    log::info!("unmounted {}", mnt.mountpoint().display());
+    Ok(())
+}
+
+/// The CPUs to run workers on: `--cpus`, checked against what this process may use, or all
+/// of those.
+fn worker_cpus(list: Option<&str>) -> Result<Vec<usize>> {
+    let allowed = uring::cpu::allowed_cpus().context("read this process's CPU affinity")?;
+    let Some(list) = list else { return Ok(allowed) };
+    let cpus = uring::cpu::parse_cpu_list(list).map_err(anyhow::Error::msg)?;
+    if let Some(c) = cpus.iter().find(|c| !allowed.contains(c)) {
+        bail!("--cpus: CPU {c} is not available to this process (allowed: {allowed:?})");
+    }
+    Ok(cpus)
+}
+
+fn seconds(v: f64, flag: &str) -> Result<Duration> {
+    if !v.is_finite() || !(0.0..=86_400.0).contains(&v) {
+        bail!("{flag} must be between 0 and 86400 seconds, got {v}");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+fn nix_uid() -> u32 {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+        .unwrap_or(0)
+}
+
+fn nix_gid() -> u32 {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::gid(&m))
+        .unwrap_or(0)
+}
+
+/// Re-runs this command in the foreground as a detached child with its output in a log file,
+/// and returns once the child has mounted (or reports why it could not).
+fn spawn_detached(args: &MountArgs) -> Result<()> {
+    let mountpoint = std::fs::canonicalize(&args.mountpoint)
+        .with_context(|| format!("mountpoint {} does not exist", args.mountpoint.display()))?;
+    let log_path = match &args.log_file {
+        Some(p) => p.clone(),
+        None => {
+            let dir = Path::new("/var/log/etcfs");
+            std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+            let name = control::socket_path(&mountpoint);
+            let stem = name
+                .file_stem()
+                .map(|s| s.to_os_string())
+                .unwrap_or_default();
+            dir.join(stem).with_extension("log")
+        }
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("open log file {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("find the etcfs executable")?;
+    let mut child_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    child_args.push("--foreground".into());
+    let mut child = Command::new(exe)
+        .args(child_args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("start the etcfs daemon")?;
+    let start = Instant::now();
+    while start.elapsed() < MOUNT_READY_TIMEOUT {
+        if let Some(status) = child.try_wait()? {
+            let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!(
+                "the daemon exited ({status}) before mounting:\n{}",
+                tail.join("\n")
+            );
+        }
+        if mount::is_mount_point(&mountpoint).unwrap_or(false)
+            && control::socket_path(&mountpoint).exists()
+        {
+            println!(
+                "etcfs: mounted {} (daemon pid {}, log {})",
+                mountpoint.display(),
+                child.id(),
+                log_path.display()
+            );
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    bail!(
+        "the daemon did not mount {} within {MOUNT_READY_TIMEOUT:?}",
+        mountpoint.display()
+    )
+}
