@@ -143,6 +143,9 @@ struct Work {
     m: Mutation,
     done: Option<Completer<Outcome>>,
     snap: Snapshot,
+    /// Revision every snapshot entry was read at (0: nothing read yet). Later reads of
+    /// the same plan are made at this revision so the snapshot is one consistent view.
+    snap_rev: i64,
     ino: Option<Ino>,
     attempts: u32,
     /// Must be alone in its transaction (a grouped send was rejected as too large).
@@ -161,7 +164,7 @@ struct Member {
 enum TaskDone {
     Read {
         reqs: Vec<(u64, RangeRequest)>,
-        result: Result<TxnResponse, KvError>,
+        result: Result<ReadBatch, KvError>,
     },
     Txn {
         members: Vec<Member>,
@@ -289,6 +292,7 @@ impl Committer {
                 m,
                 done,
                 snap: Snapshot::default(),
+                snap_rev: 0,
                 ino: None,
                 attempts: 0,
                 solo: false,
@@ -570,7 +574,8 @@ impl Committer {
                 if reqs.len() + w.needs.len() > self.cfg.batch_ops_max && !reqs.is_empty() {
                     break;
                 }
-                for r in w.needs.drain(..) {
+                for mut r in w.needs.drain(..) {
+                    r.revision = w.snap_rev;
                     reqs.push((id, r));
                 }
             }
@@ -579,13 +584,9 @@ impl Committer {
             }
             self.reads_in_flight += 1;
             self.stats.read_txns.fetch_add(1, Ordering::Relaxed);
-            let txn = Txn {
-                success: reqs.iter().map(|(_, r)| TxnOp::Range(r.clone())).collect(),
-                ..Default::default()
-            };
             let kv = self.kv.clone();
             self.tasks.spawn(async move {
-                let result = kv.txn(txn).await;
+                let result = read_batch(&*kv, &reqs).await;
                 TaskDone::Read { reqs, result }
             });
         }
@@ -709,15 +710,28 @@ impl Committer {
             TaskDone::Read { reqs, result } => {
                 self.reads_in_flight -= 1;
                 match result {
-                    Ok(resp) => {
-                        for ((id, req), r) in reqs.into_iter().zip(resp.responses) {
+                    Ok((resps, latest_rev)) => {
+                        for ((id, req), mut rr) in reqs.into_iter().zip(resps) {
                             let Some(w) = self.works.get_mut(&id) else {
                                 continue;
                             };
-                            if let TxnOpResponse::Range(rr) = r {
-                                w.snap.insert(&req, rr);
+                            if w.snap_rev == 0 {
+                                w.snap_rev = latest_rev;
                             }
+                            // Ranges inside a txn carry no header: stamp the view's revision.
+                            rr.revision = w.snap_rev;
+                            w.snap.insert(&req, rr);
                             w.st = St::Plan;
+                        }
+                    }
+                    Err(KvError::Compacted { .. }) => {
+                        // The consistent view is gone: start the plan over from now.
+                        for (id, _) in reqs {
+                            if let Some(w) = self.works.get_mut(&id) {
+                                w.snap.clear();
+                                w.snap_rev = 0;
+                                w.st = St::Plan;
+                            }
                         }
                     }
                     Err(e) => {
@@ -796,8 +810,13 @@ impl Committer {
                 St::Plan | St::Reading => false,
                 St::InFlight => continue,
             };
-            for a in &written {
-                w.snap.invalidate(&a.start, a.end.as_deref());
+            if written
+                .iter()
+                .any(|a| w.snap.overlaps(&a.start, a.end.as_deref()))
+            {
+                // Re-read everything at a newer revision, keeping the view consistent.
+                w.snap.clear();
+                w.snap_rev = 0;
             }
             if stale {
                 w.st = St::Plan;
@@ -846,8 +865,11 @@ impl Committer {
                 self.stats
                     .conflicted_mutations
                     .fetch_add(1, Ordering::Relaxed);
+                // The failure branch read every compared key at one revision: that is the
+                // new consistent view (ranges are re-read at that revision).
+                w.snap.clear();
+                w.snap_rev = resp.revision;
                 for c in &m.plan.compares {
-                    w.snap.invalidate(&c.key, c.range_end.as_deref());
                     if c.range_end.is_none() {
                         if let Some(r) = lookup(c) {
                             w.snap.insert_key(c.key.clone(), r.kvs.first().cloned());
@@ -871,4 +893,51 @@ fn plan_bytes(p: &Plan) -> usize {
         .sum();
     // Each compare also costs a failure-branch range of about the same size.
     2 * c + p.ops.iter().map(TxnOp::size_bytes).sum::<usize>()
+}
+
+/// Answers of a read batch, aligned with its requests, and the revision of the
+/// latest-revision part.
+type ReadBatch = (Vec<crate::kv::RangeResponse>, i64);
+
+/// Reads at a pinned revision go out as plain ranges (a revision inside a txn is not
+/// portable); the rest share one read-only txn.
+async fn read_batch(
+    kv: &dyn KvBackend,
+    reqs: &[(u64, RangeRequest)],
+) -> Result<ReadBatch, KvError> {
+    let latest: Vec<RangeRequest> = reqs
+        .iter()
+        .filter(|(_, r)| r.revision == 0)
+        .map(|(_, r)| r.clone())
+        .collect();
+    let mut latest_resps = Vec::new();
+    let mut latest_rev = 0;
+    if !latest.is_empty() {
+        let txn = Txn {
+            success: latest.into_iter().map(TxnOp::Range).collect(),
+            ..Default::default()
+        };
+        let resp = kv.txn(txn).await?;
+        latest_rev = resp.revision;
+        for r in resp.responses {
+            match r {
+                TxnOpResponse::Range(rr) => latest_resps.push(rr),
+                _ => return Err(KvError::Other("read txn answered with a write".into())),
+            }
+        }
+    }
+    let mut latest_resps = latest_resps.into_iter();
+    let mut out = Vec::with_capacity(reqs.len());
+    for (_, r) in reqs {
+        if r.revision == 0 {
+            out.push(
+                latest_resps
+                    .next()
+                    .ok_or_else(|| KvError::Other("short read txn".into()))?,
+            );
+        } else {
+            out.push(kv.range(r.clone()).await?);
+        }
+    }
+    Ok((out, latest_rev))
 }

@@ -66,6 +66,15 @@ impl Snapshot {
             .retain(|(s, e, _, _), _| !crate::kv::ranges_overlap(s, e.as_deref(), start, end));
     }
 
+    /// Whether anything read overlaps `[start, end)` (or the single key).
+    pub fn overlaps(&self, start: &[u8], end: Option<&[u8]>) -> bool {
+        self.keys.keys().any(|k| crate::kv::in_range(start, end, k))
+            || self
+                .ranges
+                .keys()
+                .any(|(s, e, _, _)| crate::kv::ranges_overlap(s, e.as_deref(), start, end))
+    }
+
     /// Forgets everything.
     pub fn clear(&mut self) {
         self.keys.clear();
