@@ -5,6 +5,8 @@
 
 mod control;
 mod daemon;
+#[allow(dead_code)]
+mod data;
 mod memfs;
 
 use std::{path::PathBuf, process::ExitCode};
