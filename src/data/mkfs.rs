@@ -257,6 +257,54 @@ pub(crate) fn check(
     Ok(sb)
 }
 
+/// The etcd superblock record that matches `sb` (written by mkfs next to the device's).
+pub(crate) fn meta_record(sb: &Superblock) -> meta::codec::SuperRecord {
+    let g = &sb.geometry;
+    meta::codec::SuperRecord {
+        uuid: sb.uuid,
+        format_version: super::superblock::FORMAT_VERSION,
+        block_size: BLOCK_SIZE as u32,
+        group_size: g.ag_blocks * BLOCK_SIZE,
+        group_count: g.ag_count,
+        device_size: g.device_size,
+        created: meta::types::Timespec::new(sb.created_sec, sb.created_nsec),
+    }
+}
+
+/// Checks at mount that the device's superblock and etcd's record describe the same
+/// filesystem with the same layout; the error names the first field that differs.
+pub(crate) fn agrees_with_meta(
+    sb: &Superblock,
+    rec: &meta::codec::SuperRecord,
+    path: &Path,
+) -> Result<(), MkfsError> {
+    if rec.uuid != sb.uuid {
+        return Err(MkfsError::WrongFilesystem {
+            device: name(path),
+            found: sb.uuid,
+            expected: rec.uuid,
+        });
+    }
+    let want = meta_record(sb);
+    let field = if rec.format_version != want.format_version {
+        "format version"
+    } else if rec.block_size != want.block_size {
+        "block size"
+    } else if rec.group_size != want.group_size {
+        "allocation-group size"
+    } else if rec.group_count != want.group_count {
+        "allocation-group count"
+    } else if rec.device_size != want.device_size {
+        "device size"
+    } else {
+        return Ok(());
+    };
+    Err(MkfsError::Layout(
+        name(path),
+        SbError::Inconsistent(format!("{field} differs between the device and etcd")),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +315,26 @@ mod tests {
 
     fn p() -> &'static Path {
         Path::new("/dev/test0")
+    }
+
+    #[test]
+    fn meta_record_round_trip_and_disagreement() {
+        let mut d = MemDev::new(64 << 20);
+        let sb = format(&mut d, p(), U1, 1024, false, SystemTime::now()).unwrap();
+        let rec = meta_record(&sb);
+        assert_eq!(rec.group_size, 1024 * BLOCK_SIZE);
+        agrees_with_meta(&sb, &rec, p()).unwrap();
+        let mut other = rec.clone();
+        other.group_count += 1;
+        let e = agrees_with_meta(&sb, &other, p()).unwrap_err();
+        assert!(
+            e.to_string().contains("allocation-group count differs"),
+            "{e}"
+        );
+        other = rec.clone();
+        other.uuid = U2;
+        let e = agrees_with_meta(&sb, &other, p()).unwrap_err();
+        assert!(matches!(e, MkfsError::WrongFilesystem { .. }), "{e}");
     }
 
     #[test]

@@ -32,6 +32,17 @@ impl FileExtent {
     }
 }
 
+impl From<&meta::codec::Extent> for FileExtent {
+    fn from(e: &meta::codec::Extent) -> Self {
+        FileExtent {
+            file_off: e.file_off,
+            len: e.len,
+            dev_off: e.dev_off,
+            unwritten: e.unwritten,
+        }
+    }
+}
+
 /// A malformed extent map (from a corrupt etcd value): the operation fails with EIO.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PlanError {
