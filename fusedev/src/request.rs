@@ -299,7 +299,10 @@ pub struct Forgets<'a> {
 impl<'a> Forgets<'a> {
     /// `None` unless `bytes` is a whole number of [`ForgetOne`] records.
     pub fn from_bytes(bytes: &'a [u8]) -> Option<Forgets<'a>> {
-        bytes.len().is_multiple_of(size_of::<ForgetOne>()).then_some(Forgets { bytes })
+        bytes
+            .len()
+            .is_multiple_of(size_of::<ForgetOne>())
+            .then_some(Forgets { bytes })
     }
 
     pub fn len(&self) -> usize {

@@ -36,6 +36,7 @@ use crate::{
     errno::Errno,
     init::{self, InitConfig, Negotiated},
     mount::Mount,
+    notify,
     opcode::Opcode,
     request::{self, Operation, Request},
     server::{Handler, Reply, RequestCtx},
@@ -279,6 +280,11 @@ impl Session {
         }
     }
 
+    /// A handle for cache invalidations on this connection.
+    pub fn notifier(&self) -> Notifier {
+        Notifier::new(self.shared.mount.clone())
+    }
+
     /// A handle to stop the session from another thread (a signal handler thread).
     pub fn stopper(&self) -> Stopper {
         Stopper {
@@ -301,6 +307,51 @@ impl Session {
         }
         self.shared.handler.destroy();
     }
+}
+
+/// Sends cache invalidations to the kernel. Use it from a thread that serves no request and
+/// holds no lock a request may wait for (the kernel may hold a directory lock while it waits
+/// on our reply to a related request). Each call returns whether the kernel had the thing
+/// cached (`false` when it did not: ENOENT from the device).
+#[derive(Clone, Debug)]
+pub struct Notifier {
+    mount: Arc<Mount>,
+}
+
+impl Notifier {
+    /// A notifier for the connection of `mount`.
+    pub fn new(mount: Arc<Mount>) -> Self {
+        Notifier { mount }
+    }
+
+    /// Drops the kernel's cached attributes of `ino` and, with `off >= 0`, its cached data
+    /// from `off` for `len` bytes (`len == 0`: to the end).
+    pub fn inval_inode(&self, ino: u64, off: i64, len: i64) -> io::Result<bool> {
+        self.send(&notify::inval_inode(ino, off, len))
+    }
+
+    /// Drops the kernel's cached entry (positive or negative) for `name` in `parent`.
+    pub fn inval_entry(&self, parent: u64, name: &[u8]) -> io::Result<bool> {
+        self.send(&notify::inval_entry(parent, name).map_err(invalid)?)
+    }
+
+    /// Tells the kernel `name` in `parent`, which was `child`, is gone (drops the entry and
+    /// reports the deletion to inotify watchers).
+    pub fn delete(&self, parent: u64, child: u64, name: &[u8]) -> io::Result<bool> {
+        self.send(&notify::delete(parent, child, name).map_err(invalid)?)
+    }
+
+    fn send(&self, msg: &[u8]) -> io::Result<bool> {
+        match self.mount.write_message(msg) {
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn invalid(e: notify::NotifyError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, e)
 }
 
 /// Stops a session from another thread.
