@@ -4,16 +4,201 @@
 //! buffer the reply's arguments must be written into, and sends whatever [`Reply`] says.
 //! The out buffer is, for the ring transport, the kernel-registered payload buffer itself,
 //! so a READ written there reaches the kernel without a further copy.
+//!
+//! A handler that must wait (for an etcd commit, say) does not block its core: it takes a
+//! [`DeferredReply`] from [`RequestCtx::defer`], returns [`Reply::Deferred`], and completes
+//! the reply later from any thread. The core goes on serving other requests meanwhile.
 
-use std::os::fd::RawFd;
+use std::{cell::Cell, os::fd::RawFd};
+
+use crossbeam_channel::Sender;
+use uring::Waker;
 
 use crate::{errno::Errno, request::Request};
 
-/// Where a request is being served, for per-core state and statistics.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestCtx {
+/// Where a request is being served, and the means to answer it later.
+pub struct RequestCtx<'a> {
     /// Index of the worker (core) serving the request, `0..workers`.
     pub core: usize,
+    defer: Option<DeferTarget<'a>>,
+    deferred: Cell<bool>,
+}
+
+struct DeferTarget<'a> {
+    completions: &'a Sender<DeferredCompletion>,
+    waker: &'a Waker,
+    token: u64,
+}
+
+impl<'a> RequestCtx<'a> {
+    /// A context whose requests must be answered before `handle` returns (tests, and the
+    /// sideband reader of FORGET/INTERRUPT, which has no ring to complete on).
+    pub fn new(core: usize) -> Self {
+        RequestCtx {
+            core,
+            defer: None,
+            deferred: Cell::new(false),
+        }
+    }
+
+    /// A context that can defer: completions go to `completions`, then `waker` wakes the
+    /// core, which answers the request identified by `token`.
+    pub(crate) fn deferrable(
+        core: usize,
+        completions: &'a Sender<DeferredCompletion>,
+        waker: &'a Waker,
+        token: u64,
+    ) -> Self {
+        RequestCtx {
+            core,
+            defer: Some(DeferTarget {
+                completions,
+                waker,
+                token,
+            }),
+            deferred: Cell::new(false),
+        }
+    }
+
+    /// Takes over the reply: the handler then returns [`Reply::Deferred`] and answers
+    /// through the returned handle. `None` when this transport path cannot defer (answer
+    /// synchronously then). At most one deferral per request.
+    pub fn defer(&self) -> Option<DeferredReply> {
+        let t = self.defer.as_ref()?;
+        if self.deferred.replace(true) {
+            return None;
+        }
+        Some(DeferredReply {
+            completions: t.completions.clone(),
+            waker: t.waker.clone(),
+            token: t.token,
+            sent: false,
+        })
+    }
+
+    /// Whether [`RequestCtx::defer`] handed out the reply.
+    pub(crate) fn was_deferred(&self) -> bool {
+        self.deferred.get()
+    }
+}
+
+/// The answer to a deferred request, delivered to the core that owns it.
+#[derive(Debug)]
+pub(crate) struct DeferredCompletion {
+    pub(crate) token: u64,
+    pub(crate) outcome: DeferredOutcome,
+}
+
+/// What a deferred request is answered with.
+#[derive(Debug)]
+pub enum DeferredOutcome {
+    /// Success with these reply arguments (at most the request's out-buffer size).
+    Bytes(Vec<u8>),
+    /// Success of a READ: the data comes from these segments, read on the owning core.
+    Read(ReadPlan),
+    /// Failure.
+    Error(Errno),
+}
+
+/// A reply owed to the kernel. Completing it (from any thread) wakes the core that serves
+/// the request. Dropping it without completing answers EIO, so no request is left hanging.
+#[derive(Debug)]
+pub struct DeferredReply {
+    completions: Sender<DeferredCompletion>,
+    waker: Waker,
+    token: u64,
+    sent: bool,
+}
+
+impl DeferredReply {
+    /// Answers with reply arguments.
+    pub fn bytes(self, args: Vec<u8>) {
+        self.complete(DeferredOutcome::Bytes(args));
+    }
+
+    /// Answers with an error.
+    pub fn error(self, errno: Errno) {
+        self.complete(DeferredOutcome::Error(errno));
+    }
+
+    /// Answers a READ with data to be read from the device.
+    pub fn read(self, plan: ReadPlan) {
+        self.complete(DeferredOutcome::Read(plan));
+    }
+
+    /// Answers with `outcome`.
+    pub fn complete(mut self, outcome: DeferredOutcome) {
+        self.send(outcome);
+    }
+
+    fn send(&mut self, outcome: DeferredOutcome) {
+        self.sent = true;
+        // The channel holds one slot per request the core can have outstanding, and each
+        // request defers at most once, so it cannot be full; a closed channel means the
+        // connection is gone and there is nobody left to answer.
+        if let Err(e) = self.completions.try_send(DeferredCompletion {
+            token: self.token,
+            outcome,
+        }) {
+            log::debug!("deferred reply dropped: {e}");
+            return;
+        }
+        self.waker.wake();
+    }
+}
+
+impl Drop for DeferredReply {
+    fn drop(&mut self) {
+        if !self.sent {
+            log::error!("a deferred reply was dropped unanswered; replying EIO");
+            self.send(DeferredOutcome::Error(Errno::EIO));
+        }
+    }
+}
+
+/// Data of a READ reply assembled from device reads and zeros, in order. The transport reads
+/// every `Device` segment into the next position of the out buffer (for O_DIRECT, keep each
+/// segment's offset and length block-aligned: positions start at 0, which is page-aligned),
+/// fills `Zero` segments, and replies with `len` bytes starting at `skip` (so an unaligned
+/// request can be served from an aligned read).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadPlan {
+    /// Segments in out-buffer order.
+    pub segments: Vec<Segment>,
+    /// Bytes at the start of the assembled data that are not part of the reply.
+    pub skip: usize,
+    /// Bytes of reply data after `skip`.
+    pub len: usize,
+}
+
+impl ReadPlan {
+    /// Bytes the segments fill.
+    pub fn total(&self) -> usize {
+        self.segments.iter().map(Segment::len).sum()
+    }
+}
+
+/// One piece of a [`ReadPlan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Segment {
+    /// `len` bytes of `fd` at `offset`; a short read is an I/O error.
+    Device { fd: RawFd, offset: u64, len: usize },
+    /// `len` zero bytes (a hole, or unwritten space).
+    Zero { len: usize },
+}
+
+impl Segment {
+    /// Bytes this segment fills.
+    pub fn len(&self) -> usize {
+        match *self {
+            Segment::Device { len, .. } | Segment::Zero { len } => len,
+        }
+    }
+
+    /// True for an empty segment.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// What the handler wants sent back to the kernel.
@@ -24,10 +209,14 @@ pub enum Reply {
     /// Success of a READ whose data is `len` bytes of `fd` at `offset`. Transports that can
     /// splice do so; the others read the range into the out buffer. A short read means EOF.
     Fd { fd: RawFd, offset: u64, len: usize },
+    /// Success of a READ assembled from device reads and zeros.
+    Read(ReadPlan),
     /// Failure with this errno.
     Error(Errno),
     /// The request takes no reply (FORGET, BATCH_FORGET, and INTERRUPT handled locally).
     None,
+    /// The handler took a [`DeferredReply`] and will answer through it.
+    Deferred,
 }
 
 /// The filesystem behind a mount. One instance is shared by every worker; implementations
@@ -35,7 +224,7 @@ pub enum Reply {
 pub trait Handler: Send + Sync + 'static {
     /// Serves one request. `out` is at least `max_write` bytes (or 4 KiB plus the largest
     /// fixed reply, whichever is larger) and is the only place reply arguments may go.
-    fn handle(&self, ctx: &RequestCtx, req: &Request<'_>, out: &mut [u8]) -> Reply;
+    fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply;
 
     /// Called once after INIT negotiation, before any other request.
     fn init(&self, _negotiated: &crate::init::Negotiated) {}

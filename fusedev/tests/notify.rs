@@ -56,7 +56,7 @@ impl OneFile {
 }
 
 impl Handler for OneFile {
-    fn handle(&self, _ctx: &RequestCtx, req: &Request<'_>, out: &mut [u8]) -> Reply {
+    fn handle(&self, _ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         match &req.op {
             Operation::Lookup { name } => {
                 self.lookups.fetch_add(1, Ordering::SeqCst);

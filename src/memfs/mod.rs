@@ -901,7 +901,7 @@ impl MemFs {
 }
 
 impl Handler for MemFs {
-    fn handle(&self, _ctx: &RequestCtx, req: &Request<'_>, out: &mut [u8]) -> Reply {
+    fn handle(&self, _ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         self.dispatch(req, out).unwrap_or_else(Reply::Error)
     }
 }

@@ -52,8 +52,7 @@ impl Fx {
         let mut bytes = Vec::new();
         req.encode(&mut bytes);
         let decoded = request::decode(&bytes).expect("test request decodes");
-        self.fs
-            .handle(&RequestCtx { core: 0 }, &decoded, &mut self.out)
+        self.fs.handle(&RequestCtx::new(0), &decoded, &mut self.out)
     }
 
     fn ok(&mut self, nodeid: u64, op: Operation<'_>) -> Vec<u8> {
@@ -1160,7 +1159,7 @@ fn concurrent_namespace_changes() {
                 let mut bytes = Vec::new();
                 req.encode(&mut bytes);
                 let req = request::decode(&bytes).unwrap();
-                fs.handle(&RequestCtx { core: t as usize }, &req, &mut out)
+                fs.handle(&RequestCtx::new(t as usize), &req, &mut out)
             };
             for i in 0..300u64 {
                 let a = format!("a{}", i % 7);

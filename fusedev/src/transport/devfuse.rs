@@ -14,11 +14,18 @@ use std::{
 use io_uring::{opcode, squeue, types};
 use uring::{cpu, AlignedBuf, Ring, RingConfig, Waker};
 
+use crossbeam_channel::Sender;
+
 use super::{
-    collect_starts, dispatch, op_index, out_header, spawn, SessionConfig, SessionError, Shared,
-    OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
+    collect_starts, dispatch, op_index, out_header, plan_fits, spawn, SessionConfig, SessionError,
+    Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
 };
-use crate::{mount::owned, request, server::Reply};
+use crate::{
+    mount::owned,
+    opcode::Opcode,
+    request,
+    server::{DeferredCompletion, DeferredOutcome, ReadPlan, Reply, RequestCtx, Segment},
+};
 
 const TAG_READ_REQ: u64 = 0;
 const TAG_WRITE_REPLY: u64 = 1 << 32;
@@ -33,24 +40,48 @@ const IDX_MASK: u64 = 0x3fff_ffff;
 const PIPE_BYTES_WANTED: i32 = 1 << 20;
 const PAGE: usize = 4096;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A request whose reply is not sent yet.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    unique: u64,
+    op: usize,
+    started: perf::Timer,
+}
+
+#[derive(Debug, Clone, Copy)]
 enum SlotState {
     /// A READ of the device is outstanding.
     Reading,
     /// The reply in `out` is being written to the device.
     Replying,
-    /// A READ reply's data is being read from a file into `out`.
-    ReadingFile { unique: u64, op: usize },
+    /// The handler deferred the reply; it arrives on the worker's completion channel.
+    Deferred(Pending),
+    /// A READ reply's data is being read into `out`: reads outstanding, first error, bytes
+    /// read, bytes wanted, and whether a short read is EOF (file-backed replies).
+    ReadingData {
+        p: Pending,
+        outstanding: u32,
+        error: i32,
+        got: usize,
+        want: usize,
+        skip: usize,
+        len: usize,
+        short_is_eof: bool,
+    },
     /// The three linked splice SQEs are in flight; `left` of them have not completed.
     Splicing {
-        unique: u64,
+        p: Pending,
         left: u8,
-        failed: bool,
         delivered: bool,
     },
     /// The connection is gone.
     Dead,
 }
+
+/// Reply arguments start one page into `out`, so device reads into them are page-aligned
+/// (O_DIRECT); the out header sits just before them.
+const ARGS_AT: usize = PAGE;
+const HEADER_AT: usize = ARGS_AT - OUT_HEADER_LEN;
 
 struct Slot {
     inbuf: AlignedBuf,
@@ -74,329 +105,467 @@ pub(crate) fn start(
         let (s, tx) = (shared.clone(), tx.clone());
         let depth = cfg.devfuse_reads_per_core.max(1);
         threads.push(spawn(&format!("etcfs-dev-{cpu}"), move || {
-            worker(&s, core, cpu, &dev, depth, &waker, &tx)
+            Worker::run(&s, core, cpu, dev, depth, &waker, &tx)
         })?);
     }
     collect_starts(rx, cfg.cpus.len()).map_err(|e| SessionError::Spawn(io::Error::other(e)))?;
     Ok(threads)
 }
 
-fn worker(
-    shared: &Shared,
+struct Worker<'a> {
+    shared: &'a Shared,
     core: usize,
-    cpu: usize,
-    dev: &OwnedFd,
-    depth: usize,
-    waker: &Waker,
-    started: &mpsc::Sender<Result<(), String>>,
-) {
-    if let Err(e) = cpu::pin_current_thread(cpu) {
-        log::warn!("devfuse worker {core}: cannot pin to CPU {cpu}: {e}");
+    ring: Ring,
+    slots: Vec<Slot>,
+    dev: OwnedFd,
+    recorder: perf::CoreRecorder,
+    completions_tx: Sender<DeferredCompletion>,
+    waker: &'a Waker,
+    live: usize,
+}
+
+impl<'a> Worker<'a> {
+    fn run(
+        shared: &'a Shared,
+        core: usize,
+        cpu: usize,
+        dev: OwnedFd,
+        depth: usize,
+        waker: &'a Waker,
+        started: &mpsc::Sender<Result<(), String>>,
+    ) {
+        if let Err(e) = cpu::pin_current_thread(cpu) {
+            log::warn!("devfuse worker {core}: cannot pin to CPU {cpu}: {e}");
+        }
+        let sq_entries_max = ((depth * 8 + 8) as u32).next_power_of_two();
+        let ring: Ring = match Ring::new(RingConfig { sq_entries_max }) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = started.send(Err(format!("io_uring: {e}")));
+                return;
+            }
+        };
+        let size = shared.negotiated.payload_max() + REQUEST_HEADER_ROOM;
+        let slots: Vec<Slot> = (0..depth)
+            .map(|_| Slot {
+                inbuf: AlignedBuf::new(size),
+                out: AlignedBuf::new(ARGS_AT + size),
+                pipe: make_pipe()
+                    .map_err(|e| log::warn!("no splice pipe: {e}"))
+                    .ok(),
+                state: SlotState::Reading,
+            })
+            .collect();
+        let (completions_tx, completions_rx) = crossbeam_channel::bounded(depth);
+        let mut w = Worker {
+            shared,
+            core,
+            ring,
+            live: slots.len(),
+            slots,
+            dev,
+            recorder: shared.perf.core(core),
+            completions_tx,
+            waker,
+        };
+        for idx in 0..w.slots.len() {
+            w.read_request(idx);
+        }
+        w.arm_waker();
+        let _ = started.send(Ok(()));
+
+        let mut done: Vec<uring::Completion> = Vec::with_capacity(depth * 8 + 1);
+        loop {
+            let t_batch = w.recorder.timer();
+            for c in done.drain(..) {
+                w.complete(c, &t_batch);
+            }
+            while let Ok(c) = completions_rx.try_recv() {
+                w.deferred(c);
+            }
+            if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            if let Err(e) = w.ring.submit_and_wait(1, None) {
+                log::warn!("devfuse worker {core}: io_uring_enter: {e}");
+                break;
+            }
+            w.ring.reap(&mut done);
+        }
+        let Worker { ring, slots, .. } = w;
+        let busy = slots.iter().any(|s| !matches!(s.state, SlotState::Dead));
+        drop(ring);
+        if busy {
+            // Reads may still be outstanding in the kernel until the ring's teardown
+            // finishes; keep their buffers rather than risk a write into freed memory.
+            std::mem::forget(slots);
+        }
     }
-    let sq_entries_max = ((depth * 4 + 8) as u32).next_power_of_two();
-    let mut ring: Ring = match Ring::new(RingConfig { sq_entries_max }) {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = started.send(Err(format!("io_uring: {e}")));
+
+    fn devfd(&self) -> RawFd {
+        self.dev.as_raw_fd()
+    }
+
+    fn push(&mut self, sqe: &squeue::Entry) -> bool {
+        // SAFETY: callers pass SQEs whose memory is owned by a slot that stays in its
+        // current state (and so untouched) until the completion is reaped.
+        match unsafe { self.ring.push(sqe) } {
+            Ok(()) => true,
+            Err(e) => {
+                log::error!("cannot queue an SQE: {e}");
+                false
+            }
+        }
+    }
+
+    fn arm_waker(&mut self) {
+        let sqe = self.waker.poll_entry(TAG_WAKE);
+        self.push(&sqe);
+    }
+
+    fn read_request(&mut self, idx: usize) {
+        let devfd = self.devfd();
+        let slot = &mut self.slots[idx];
+        slot.state = SlotState::Reading;
+        let len = slot.inbuf.len() as u32;
+        let sqe = opcode::Read::new(types::Fd(devfd), slot.inbuf.as_mut_ptr(), len)
+            .build()
+            .user_data(TAG_READ_REQ | idx as u64);
+        self.push(&sqe);
+    }
+
+    fn complete(&mut self, c: uring::Completion, t_batch: &perf::Timer) {
+        let idx = (c.user_data & IDX_MASK) as usize;
+        let tag = c.user_data & TAG_MASK;
+        if tag == TAG_WAKE {
+            self.waker.drain();
+            self.arm_waker();
             return;
         }
-    };
-    let size = shared.negotiated.max_write as usize + REQUEST_HEADER_ROOM;
-    let mut slots: Vec<Slot> = (0..depth)
-        .map(|_| Slot {
-            inbuf: AlignedBuf::new(size),
-            out: AlignedBuf::new(OUT_HEADER_LEN + size),
-            pipe: make_pipe()
-                .map_err(|e| log::warn!("no splice pipe: {e}"))
-                .ok(),
-            state: SlotState::Reading,
-        })
-        .collect();
-    let devfd = dev.as_raw_fd();
-    for (i, slot) in slots.iter_mut().enumerate() {
-        push_read(&mut ring, devfd, slot, i);
-    }
-    // SAFETY: the poll references only the eventfd, which `waker` keeps open.
-    let _ = unsafe { ring.push(&waker.poll_entry(TAG_WAKE)) };
-    let _ = started.send(Ok(()));
-
-    let recorder = shared.perf.core(core);
-    let mut done: Vec<uring::Completion> = Vec::with_capacity(depth * 4 + 1);
-    let mut live = slots.len();
-    loop {
-        let t_batch = recorder.timer();
-        for c in done.drain(..) {
-            let idx = (c.user_data & IDX_MASK) as usize;
-            let tag = c.user_data & TAG_MASK;
-            if tag == TAG_WAKE {
-                waker.drain();
-                // SAFETY: as above.
-                let _ = unsafe { ring.push(&waker.poll_entry(TAG_WAKE)) };
-                continue;
-            }
-            let Some(slot) = slots.get_mut(idx) else {
-                continue;
-            };
-            match (tag, slot.state) {
-                (TAG_READ_REQ, SlotState::Reading) => {
-                    if c.result < 0 {
-                        match -c.result {
-                            libc::EINTR | libc::EAGAIN | libc::ENOENT => {
-                                push_read(&mut ring, devfd, slot, idx)
-                            }
-                            err => {
-                                if err != libc::ENODEV {
-                                    log::warn!(
-                                        "devfuse read: {}",
-                                        io::Error::from_raw_os_error(err)
-                                    );
-                                }
-                                slot.state = SlotState::Dead;
-                                live -= 1;
-                            }
-                        }
-                        continue;
-                    }
-                    let t = recorder.timer();
+        let Some(slot) = self.slots.get_mut(idx) else {
+            return;
+        };
+        match (tag, slot.state) {
+            (TAG_READ_REQ, SlotState::Reading) => {
+                if c.result >= 0 {
                     if let Some(wait) = t_batch.elapsed_ns() {
                         let opcode = request::peek_opcode(&slot.inbuf).unwrap_or(0);
-                        recorder.record(op_index(opcode), perf::Stage::QueueWait, wait);
+                        self.recorder
+                            .record(op_index(opcode), perf::Stage::QueueWait, wait);
                     }
-                    handle_one(
-                        shared,
-                        core,
-                        &mut ring,
-                        devfd,
-                        slot,
-                        idx,
-                        c.result as usize,
-                        &recorder,
-                    );
-                    if let SlotState::Replying = slot.state {
-                        let op = op_index(request::peek_opcode(&slot.inbuf).unwrap_or(0));
-                        recorder.record_since(op, perf::Stage::Total, &t);
-                    }
+                    return self.serve(idx, c.result as usize);
                 }
-                (TAG_WRITE_REPLY, SlotState::Replying) => {
-                    if c.result < 0 && -c.result == libc::ENODEV {
+                match -c.result {
+                    libc::EINTR | libc::EAGAIN | libc::ENOENT => self.read_request(idx),
+                    err => {
+                        if err != libc::ENODEV {
+                            log::warn!("devfuse read: {}", io::Error::from_raw_os_error(err));
+                        }
                         slot.state = SlotState::Dead;
-                        live -= 1;
-                        continue;
+                        self.live -= 1;
                     }
-                    // ENOENT: the request was interrupted and already answered; fine.
-                    push_read(&mut ring, devfd, slot, idx);
                 }
-                (TAG_FILE_READ, SlotState::ReadingFile { unique, op }) => {
-                    let (error, len) = if c.result < 0 {
-                        (c.result, 0)
-                    } else {
-                        (0, c.result as usize)
+            }
+            (TAG_WRITE_REPLY, SlotState::Replying) => {
+                if c.result == -libc::ENODEV {
+                    slot.state = SlotState::Dead;
+                    self.live -= 1;
+                    return;
+                }
+                // ENOENT: the request was interrupted and already answered; fine.
+                self.read_request(idx);
+            }
+            (
+                TAG_FILE_READ,
+                SlotState::ReadingData {
+                    p,
+                    outstanding,
+                    error,
+                    got,
+                    want,
+                    skip,
+                    len,
+                    short_is_eof,
+                },
+            ) => {
+                let (error, got) = if c.result < 0 {
+                    (c.result, got)
+                } else {
+                    (error, got + c.result as usize)
+                };
+                if outstanding > 1 {
+                    slot.state = SlotState::ReadingData {
+                        p,
+                        outstanding: outstanding - 1,
+                        error,
+                        got,
+                        want,
+                        skip,
+                        len,
+                        short_is_eof,
                     };
-                    recorder.record_since(op, perf::Stage::DeviceIo, &t_batch);
-                    push_reply(&mut ring, devfd, slot, idx, unique, error, len);
+                    return;
                 }
-                (
-                    TAG_SPLICE,
-                    SlotState::Splicing {
-                        unique,
-                        left,
-                        failed,
+                self.recorder
+                    .record_since(p.op, perf::Stage::DeviceIo, &p.started);
+                self.finish_read(idx, p, error, got, want, skip, len, short_is_eof);
+            }
+            (TAG_SPLICE, SlotState::Splicing { p, left, delivered }) => {
+                let step = (c.user_data >> 30) & 3;
+                let delivered = delivered || (step == 2 && c.result >= 0);
+                if left > 1 {
+                    slot.state = SlotState::Splicing {
+                        p,
+                        left: left - 1,
                         delivered,
-                    },
-                ) => {
-                    let step = (c.user_data >> 30) & 3;
-                    let ok = c.result >= 0;
-                    let delivered = delivered || (step == 2 && ok);
-                    let failed = failed || !ok;
-                    if left > 1 {
-                        slot.state = SlotState::Splicing {
+                    };
+                    return;
+                }
+                if delivered {
+                    self.recorder
+                        .record_since(p.op, perf::Stage::Total, &p.started);
+                    return self.read_request(idx);
+                }
+                if let Some((r, _, _)) = &slot.pipe {
+                    drain_pipe(r.as_raw_fd());
+                }
+                if c.result == -libc::ENOENT {
+                    self.read_request(idx);
+                } else {
+                    log::warn!("spliced READ reply failed ({}); replying EIO", c.result);
+                    self.reply(idx, p, -libc::EIO, 0);
+                }
+            }
+            (tag, state) => log::error!("devfuse: completion {tag:#x} in state {state:?}"),
+        }
+    }
+
+    fn serve(&mut self, idx: usize, n: usize) {
+        let started = self.recorder.timer();
+        let ctx = RequestCtx::deferrable(self.core, &self.completions_tx, self.waker, idx as u64);
+        let slot = &mut self.slots[idx];
+        let msg = &slot.inbuf[..n.min(slot.inbuf.len())];
+        let req = match request::decode(msg) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("malformed request on /dev/fuse: {e}");
+                return match request::peek_unique(msg) {
+                    Some(unique) => {
+                        let p = Pending {
                             unique,
-                            left: left - 1,
-                            failed,
-                            delivered,
+                            op: Opcode::UNKNOWN_INDEX,
+                            started,
                         };
-                        continue;
+                        self.reply(idx, p, -libc::EIO, 0)
                     }
-                    if delivered {
-                        push_read(&mut ring, devfd, slot, idx);
+                    None => self.read_request(idx),
+                };
+            }
+        };
+        let p = Pending {
+            unique: req.header.unique,
+            op: op_index(req.header.opcode),
+            started,
+        };
+        self.recorder.count(p.op);
+        let t = self.recorder.timer();
+        let reply = dispatch(
+            self.shared.handler.as_ref(),
+            &ctx,
+            &req,
+            &mut slot.out[ARGS_AT..],
+        );
+        self.recorder.record_since(p.op, perf::Stage::Handler, &t);
+        match reply {
+            Reply::None => self.read_request(idx),
+            Reply::Bytes(len) => self.reply(idx, p, 0, len),
+            Reply::Error(e) => self.reply(idx, p, -e.raw(), 0),
+            Reply::Deferred => slot.state = SlotState::Deferred(p),
+            Reply::Read(plan) => self.start_read(idx, p, &plan, false),
+            Reply::Fd { fd, offset, len } => {
+                let len = len.min(slot.out.len() - ARGS_AT);
+                let fits_pipe = slot
+                    .pipe
+                    .as_ref()
+                    .is_some_and(|pp| len.div_ceil(PAGE) + 2 <= pp.2 / PAGE);
+                if fits_pipe && len > 0 {
+                    self.splice(idx, p, fd, offset, len);
+                } else {
+                    let plan = ReadPlan {
+                        segments: vec![Segment::Device { fd, offset, len }],
+                        skip: 0,
+                        len,
+                    };
+                    self.start_read(idx, p, &plan, true);
+                }
+            }
+        }
+    }
+
+    /// A deferred reply arrived from another thread.
+    fn deferred(&mut self, c: DeferredCompletion) {
+        let idx = c.token as usize;
+        let Some(slot) = self.slots.get_mut(idx) else {
+            return;
+        };
+        let SlotState::Deferred(p) = slot.state else {
+            log::error!("deferred reply for slot {idx} in state {:?}", slot.state);
+            return;
+        };
+        let room = slot.out.len() - ARGS_AT;
+        match c.outcome {
+            DeferredOutcome::Bytes(args) if args.len() <= room => {
+                slot.out[ARGS_AT..ARGS_AT + args.len()].copy_from_slice(&args);
+                self.reply(idx, p, 0, args.len());
+            }
+            DeferredOutcome::Bytes(args) => {
+                log::error!("deferred reply of {} bytes exceeds the buffer", args.len());
+                self.reply(idx, p, -libc::EIO, 0);
+            }
+            DeferredOutcome::Error(e) => self.reply(idx, p, -e.raw(), 0),
+            DeferredOutcome::Read(plan) if plan_fits(&plan, room) => {
+                self.start_read(idx, p, &plan, false)
+            }
+            DeferredOutcome::Read(plan) => {
+                log::error!("deferred read plan {plan:?} does not fit the buffer");
+                self.reply(idx, p, -libc::EIO, 0);
+            }
+        }
+    }
+
+    fn start_read(&mut self, idx: usize, p: Pending, plan: &ReadPlan, short_is_eof: bool) {
+        let (mut outstanding, mut error, mut want, mut pos) = (0u32, 0i32, 0usize, 0usize);
+        for seg in &plan.segments {
+            match *seg {
+                Segment::Zero { len } => {
+                    self.slots[idx].out[ARGS_AT + pos..ARGS_AT + pos + len].fill(0)
+                }
+                Segment::Device { fd, offset, len } => {
+                    let buf = self.slots[idx].out[ARGS_AT + pos..].as_mut_ptr();
+                    let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
+                        .offset(offset)
+                        .build()
+                        .user_data(TAG_FILE_READ | idx as u64);
+                    if self.push(&sqe) {
+                        outstanding += 1;
+                        want += len;
                     } else {
-                        if let Some((r, _, _)) = &slot.pipe {
-                            drain_pipe(r.as_raw_fd());
-                        }
-                        if c.result == -libc::ENOENT {
-                            push_read(&mut ring, devfd, slot, idx);
-                        } else {
-                            log::warn!("spliced READ reply failed ({}); replying EIO", c.result);
-                            push_reply(&mut ring, devfd, slot, idx, unique, -libc::EIO, 0);
-                        }
+                        error = -libc::EIO;
                     }
                 }
-                (tag, state) => log::error!("devfuse: completion {tag:#x} in state {state:?}"),
             }
+            pos += seg.len();
         }
-        if live == 0 || shared.stop.load(Ordering::Relaxed) {
-            break;
+        let (skip, len) = (plan.skip, plan.len);
+        if outstanding == 0 {
+            return self.finish_read(idx, p, error, 0, want, skip, len, short_is_eof);
         }
-        if let Err(e) = ring.submit_and_wait(1, None) {
-            log::warn!("devfuse worker {core}: io_uring_enter: {e}");
-            break;
-        }
-        ring.reap(&mut done);
+        self.slots[idx].state = SlotState::ReadingData {
+            p,
+            outstanding,
+            error,
+            got: 0,
+            want,
+            skip,
+            len,
+            short_is_eof,
+        };
     }
-    let busy = slots.iter().any(|s| s.state != SlotState::Dead);
-    drop(ring);
-    if busy {
-        // Reads may still be outstanding in the kernel until the ring's teardown finishes;
-        // keep their buffers rather than risk a write into freed memory.
-        std::mem::forget(slots);
-    }
-}
 
-#[allow(clippy::too_many_arguments)]
-fn handle_one(
-    shared: &Shared,
-    core: usize,
-    ring: &mut Ring,
-    devfd: RawFd,
-    slot: &mut Slot,
-    idx: usize,
-    n: usize,
-    recorder: &perf::CoreRecorder,
-) {
-    let msg = &slot.inbuf[..n.min(slot.inbuf.len())];
-    let req = match request::decode(msg) {
-        Ok(r) => r,
-        Err(e) => {
-            log::warn!("malformed request on /dev/fuse: {e}");
-            match request::peek_unique(msg) {
-                Some(unique) => push_reply(ring, devfd, slot, idx, unique, -libc::EIO, 0),
-                None => push_read(ring, devfd, slot, idx),
-            }
-            return;
+    #[allow(clippy::too_many_arguments)]
+    fn finish_read(
+        &mut self,
+        idx: usize,
+        p: Pending,
+        error: i32,
+        got: usize,
+        want: usize,
+        skip: usize,
+        len: usize,
+        short_is_eof: bool,
+    ) {
+        if error < 0 {
+            return self.reply(idx, p, error, 0);
         }
-    };
-    let unique = req.header.unique;
-    let op = op_index(req.header.opcode);
-    recorder.count(op);
-    let t = recorder.timer();
-    let reply = dispatch(
-        shared.handler.as_ref(),
-        core,
-        &req,
-        &mut slot.out[OUT_HEADER_LEN..],
-    );
-    recorder.record_since(op, perf::Stage::Handler, &t);
-    match reply {
-        Reply::None => push_read(ring, devfd, slot, idx),
-        Reply::Bytes(len) => push_reply(ring, devfd, slot, idx, unique, 0, len),
-        Reply::Error(e) => push_reply(ring, devfd, slot, idx, unique, -e.raw(), 0),
-        Reply::Fd { fd, offset, len } => {
-            let len = len.min(slot.out.len() - OUT_HEADER_LEN);
-            let fits_pipe = slot
-                .pipe
-                .as_ref()
-                .is_some_and(|p| len.div_ceil(PAGE) + 2 <= p.2 / PAGE);
-            if fits_pipe && len > 0 {
-                push_splice(ring, devfd, slot, idx, unique, fd, offset, len);
-            } else {
-                slot.state = SlotState::ReadingFile { unique, op };
-                let buf = slot.out[OUT_HEADER_LEN..].as_mut_ptr();
-                let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
-                    .offset(offset)
-                    .build()
-                    .user_data(TAG_FILE_READ | idx as u64);
-                // SAFETY: `out` belongs to the slot, which waits for this completion before
-                // its buffer is used again.
-                push(ring, &sqe);
-            }
+        let len = if short_is_eof {
+            got.min(len)
+        } else if got < want {
+            log::error!("short device read: {got} of {want} bytes");
+            return self.reply(idx, p, -libc::EIO, 0);
+        } else {
+            len
+        };
+        if skip > 0 {
+            let args = &mut self.slots[idx].out[ARGS_AT..];
+            args.copy_within(skip..skip + len, 0);
         }
+        self.reply(idx, p, 0, len);
     }
-}
 
-fn push(ring: &mut Ring, sqe: &squeue::Entry) {
-    // SAFETY: callers pass SQEs whose memory is owned by a slot that stays in its current
-    // state (and so untouched) until the completion is reaped.
-    if let Err(e) = unsafe { ring.push(sqe) } {
-        log::error!("cannot queue an SQE: {e}");
-    }
-}
-
-fn push_read(ring: &mut Ring, devfd: RawFd, slot: &mut Slot, idx: usize) {
-    slot.state = SlotState::Reading;
-    let len = slot.inbuf.len() as u32;
-    let sqe = opcode::Read::new(types::Fd(devfd), slot.inbuf.as_mut_ptr(), len)
+    fn reply(&mut self, idx: usize, p: Pending, error: i32, len: usize) {
+        let devfd = self.devfd();
+        let slot = &mut self.slots[idx];
+        let len = if error == 0 { len } else { 0 };
+        slot.out[HEADER_AT..ARGS_AT].copy_from_slice(&out_header(p.unique, error, len));
+        slot.state = SlotState::Replying;
+        let sqe = opcode::Write::new(
+            types::Fd(devfd),
+            slot.out[HEADER_AT..].as_ptr(),
+            (OUT_HEADER_LEN + len) as u32,
+        )
         .build()
-        .user_data(TAG_READ_REQ | idx as u64);
-    push(ring, &sqe);
-}
+        .user_data(TAG_WRITE_REPLY | idx as u64);
+        self.push(&sqe);
+        self.recorder
+            .record_since(p.op, perf::Stage::Total, &p.started);
+    }
 
-fn push_reply(
-    ring: &mut Ring,
-    devfd: RawFd,
-    slot: &mut Slot,
-    idx: usize,
-    unique: u64,
-    error: i32,
-    len: usize,
-) {
-    let len = if error == 0 { len } else { 0 };
-    slot.out[..OUT_HEADER_LEN].copy_from_slice(&out_header(unique, error, len));
-    slot.state = SlotState::Replying;
-    let sqe = opcode::Write::new(
-        types::Fd(devfd),
-        slot.out.as_ptr(),
-        (OUT_HEADER_LEN + len) as u32,
-    )
-    .build()
-    .user_data(TAG_WRITE_REPLY | idx as u64);
-    push(ring, &sqe);
-}
-
-#[allow(clippy::too_many_arguments)]
-fn push_splice(
-    ring: &mut Ring,
-    devfd: RawFd,
-    slot: &mut Slot,
-    idx: usize,
-    unique: u64,
-    fd: RawFd,
-    offset: u64,
-    len: usize,
-) {
-    let (pr, pw) = match &slot.pipe {
-        Some((r, w, _)) => (r.as_raw_fd(), w.as_raw_fd()),
-        None => return,
-    };
-    slot.out[..OUT_HEADER_LEN].copy_from_slice(&out_header(unique, 0, len));
-    slot.state = SlotState::Splicing {
-        unique,
-        left: 3,
-        failed: false,
-        delivered: false,
-    };
-    let link = squeue::Flags::IO_LINK;
-    let header = opcode::Write::new(types::Fd(pw), slot.out.as_ptr(), OUT_HEADER_LEN as u32)
+    /// Header into the slot's pipe, file range into the pipe, pipe into the device: three
+    /// linked SQEs, so the data never passes through user memory.
+    fn splice(&mut self, idx: usize, p: Pending, fd: RawFd, offset: u64, len: usize) {
+        let devfd = self.devfd();
+        let slot = &mut self.slots[idx];
+        let Some((pr, pw)) = slot
+            .pipe
+            .as_ref()
+            .map(|(r, w, _)| (r.as_raw_fd(), w.as_raw_fd()))
+        else {
+            return;
+        };
+        slot.out[HEADER_AT..ARGS_AT].copy_from_slice(&out_header(p.unique, 0, len));
+        slot.state = SlotState::Splicing {
+            p,
+            left: 3,
+            delivered: false,
+        };
+        let link = squeue::Flags::IO_LINK;
+        let header = opcode::Write::new(
+            types::Fd(pw),
+            slot.out[HEADER_AT..].as_ptr(),
+            OUT_HEADER_LEN as u32,
+        )
         .build()
         .flags(link)
         .user_data(TAG_SPLICE | idx as u64);
-    let off_in = i64::try_from(offset).unwrap_or(i64::MAX);
-    let data = opcode::Splice::new(types::Fd(fd), off_in, types::Fd(pw), -1, len as u32)
+        let off_in = i64::try_from(offset).unwrap_or(i64::MAX);
+        let data = opcode::Splice::new(types::Fd(fd), off_in, types::Fd(pw), -1, len as u32)
+            .build()
+            .flags(link)
+            .user_data(TAG_SPLICE | (1 << 30) | idx as u64);
+        let to_dev = opcode::Splice::new(
+            types::Fd(pr),
+            -1,
+            types::Fd(devfd),
+            -1,
+            (OUT_HEADER_LEN + len) as u32,
+        )
+        .flags(libc::SPLICE_F_MOVE)
         .build()
-        .flags(link)
-        .user_data(TAG_SPLICE | (1 << 30) | idx as u64);
-    let to_dev = opcode::Splice::new(
-        types::Fd(pr),
-        -1,
-        types::Fd(devfd),
-        -1,
-        (OUT_HEADER_LEN + len) as u32,
-    )
-    .flags(libc::SPLICE_F_MOVE)
-    .build()
-    .user_data(TAG_SPLICE | (2 << 30) | idx as u64);
-    push(ring, &header);
-    push(ring, &data);
-    push(ring, &to_dev);
+        .user_data(TAG_SPLICE | (2 << 30) | idx as u64);
+        self.push(&header);
+        self.push(&data);
+        self.push(&to_dev);
+    }
 }
 
 fn make_pipe() -> io::Result<(OwnedFd, OwnedFd, usize)> {

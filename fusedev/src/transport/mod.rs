@@ -39,7 +39,7 @@ use crate::{
     notify,
     opcode::Opcode,
     request::{self, Operation, Request},
-    server::{Handler, Reply, RequestCtx},
+    server::{Handler, ReadPlan, Reply, RequestCtx, Segment},
 };
 
 /// Bytes of a request beyond its data: the largest fixed header plus argument.
@@ -414,14 +414,27 @@ pub(crate) fn op_index(opcode: u32) -> usize {
 /// Runs the handler, turning a panic into EIO so the request still gets its one reply.
 pub(crate) fn dispatch(
     handler: &dyn Handler,
-    core: usize,
+    ctx: &RequestCtx<'_>,
     req: &Request<'_>,
     out: &mut [u8],
 ) -> Reply {
-    let ctx = RequestCtx { core };
-    match catch_unwind(AssertUnwindSafe(|| handler.handle(&ctx, req, out))) {
+    match catch_unwind(AssertUnwindSafe(|| handler.handle(ctx, req, out))) {
         Ok(Reply::Bytes(n)) if n > out.len() => {
             log::error!("handler replied {n} bytes into a {}-byte buffer", out.len());
+            Reply::Error(Errno::EIO)
+        }
+        Ok(Reply::Read(plan)) if !plan_fits(&plan, out.len()) => {
+            log::error!(
+                "handler's read plan {plan:?} does not fit {} bytes",
+                out.len()
+            );
+            Reply::Error(Errno::EIO)
+        }
+        Ok(Reply::Deferred) if !ctx.was_deferred() => {
+            log::error!(
+                "handler deferred opcode {} without taking the reply",
+                req.header.opcode
+            );
             Reply::Error(Errno::EIO)
         }
         Ok(r) => r,
@@ -434,6 +447,40 @@ pub(crate) fn dispatch(
             Reply::Error(Errno::EIO)
         }
     }
+}
+
+/// Whether a read plan stays inside an out buffer of `cap` bytes.
+pub(crate) fn plan_fits(plan: &ReadPlan, cap: usize) -> bool {
+    let total = plan.total();
+    total <= cap
+        && plan
+            .skip
+            .checked_add(plan.len)
+            .is_some_and(|end| end <= total)
+}
+
+/// Runs a read plan with blocking reads (the sideband path, which has no ring). Returns the
+/// reply length, with the data moved to the start of `out`.
+pub(crate) fn read_plan_blocking(plan: &ReadPlan, out: &mut [u8]) -> Result<usize, i32> {
+    if !plan_fits(plan, out.len()) {
+        return Err(libc::EIO);
+    }
+    let mut pos = 0;
+    for seg in &plan.segments {
+        match *seg {
+            Segment::Zero { len } => out[pos..pos + len].fill(0),
+            Segment::Device { fd, offset, len } => {
+                match pread_full(fd, &mut out[pos..pos + len], offset) {
+                    Ok(n) if n == len => {}
+                    Ok(_) => return Err(libc::EIO),
+                    Err(e) => return Err(e.raw_os_error().unwrap_or(libc::EIO)),
+                }
+            }
+        }
+        pos += seg.len();
+    }
+    out.copy_within(plan.skip..plan.skip + plan.len, 0);
+    Ok(plan.len)
 }
 
 /// Reads `len` bytes of `fd` at `offset` into `buf`, retrying short reads until EOF.
@@ -497,9 +544,15 @@ fn sideband(shared: &Shared, core: usize) {
         recorder.count(op);
         let t = recorder.timer();
         let (head, args) = out.split_at_mut(OUT_HEADER_LEN);
-        let reply = dispatch(shared.handler.as_ref(), core, &req, args);
+        let ctx = RequestCtx::new(core);
+        let reply = dispatch(shared.handler.as_ref(), &ctx, &req, args);
         let (error, len) = match reply {
             Reply::None => continue,
+            Reply::Deferred => (-libc::EIO, 0),
+            Reply::Read(plan) => match read_plan_blocking(&plan, args) {
+                Ok(n) => (0, n),
+                Err(e) => (-e, 0),
+            },
             Reply::Bytes(n) => (0, n),
             Reply::Error(e) => (-e.raw(), 0),
             Reply::Fd { fd, offset, len } => {

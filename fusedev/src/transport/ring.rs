@@ -16,11 +16,17 @@ use std::{
 use io_uring::{opcode, squeue::Entry128, types};
 use uring::{cpu, AlignedBuf, Ring, RingConfig, Waker};
 
+use crossbeam_channel::Sender;
+
 use super::{
-    collect_starts, dispatch, op_index, out_header, spawn, SessionConfig, Shared,
+    collect_starts, dispatch, op_index, out_header, plan_fits, spawn, SessionConfig, Shared,
     REQUEST_HEADER_ROOM,
 };
-use crate::{errno::Errno, request, server::Reply};
+use crate::{
+    errno::Errno,
+    request,
+    server::{DeferredCompletion, DeferredOutcome, ReadPlan, Reply, RequestCtx, Segment},
+};
 
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
@@ -40,15 +46,33 @@ const TAG_MASK: u64 = 0xffff_ffff << 32;
 enum EntryState {
     /// Registered or committed: parked in the kernel, waiting for a request.
     InKernel,
-    /// A READ reply's data is being read from a file into the payload.
-    ReadingData {
-        unique: u64,
-        commit_id: u64,
-        op: usize,
-        started: perf::Timer,
-    },
+    /// The handler deferred the reply; it arrives on the worker's completion channel.
+    Deferred(Pending),
+    /// A READ reply's data is being read into the payload.
+    Reading(Pending, ReadProgress),
     /// The kernel ended the entry (unmount): it will not be used again.
     Dead,
+}
+
+/// A request whose reply is not sent yet.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    unique: u64,
+    op: usize,
+    started: perf::Timer,
+}
+
+/// Device reads of a READ reply in flight.
+#[derive(Debug, Clone, Copy)]
+struct ReadProgress {
+    outstanding: u32,
+    error: i32,
+    got: usize,
+    want: usize,
+    skip: usize,
+    len: usize,
+    /// A file-backed reply (`Reply::Fd`): a short read is EOF, not an error.
+    short_is_eof: bool,
 }
 
 /// One registered entry: the kernel keeps the addresses of `header` and `payload` from
@@ -95,7 +119,7 @@ pub(crate) fn start(
         let (s, tx) = (shared.clone(), tx.clone());
         let entries = cfg.ring_entries_per_queue;
         match spawn(&format!("etcfs-ring-{cpu}"), move || {
-            worker(&s, core, cpu, &queues, entries, &waker, &tx)
+            Worker::run(&s, core, cpu, &queues, entries, &waker, &tx)
         }) {
             Ok(t) => threads.push(t),
             Err(e) => return Err((threads, e.to_string())),
@@ -107,293 +131,412 @@ pub(crate) fn start(
     }
 }
 
-fn worker(
-    shared: &Shared,
+/// One pinned worker: its ring, its entries and its deferred-reply channel.
+struct Worker<'a> {
+    shared: &'a Shared,
     core: usize,
-    cpu: usize,
-    queues: &[u16],
-    entries_per_queue: usize,
-    waker: &Waker,
-    started: &mpsc::Sender<Result<(), String>>,
-) {
-    if let Err(e) = cpu::pin_current_thread(cpu) {
-        log::warn!("ring worker {core}: cannot pin to CPU {cpu}: {e}");
-    }
-    let entries_max = queues.len() * entries_per_queue;
-    let sq_entries_max = (entries_max * 2 + 8).next_power_of_two() as u32;
-    let mut ring: Ring<Entry128> = match Ring::new(RingConfig { sq_entries_max }) {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = started.send(Err(format!("io_uring with SQE128: {e}")));
+    ring: Ring<Entry128>,
+    entries: Vec<Entry>,
+    devfd: i32,
+    recorder: perf::CoreRecorder,
+    completions_tx: Sender<DeferredCompletion>,
+    waker: &'a Waker,
+    scratch_in: Vec<u8>,
+    scratch_out: Vec<u8>,
+    live: usize,
+}
+
+impl<'a> Worker<'a> {
+    fn run(
+        shared: &'a Shared,
+        core: usize,
+        cpu: usize,
+        queues: &[u16],
+        entries_per_queue: usize,
+        waker: &'a Waker,
+        started: &mpsc::Sender<Result<(), String>>,
+    ) {
+        if let Err(e) = cpu::pin_current_thread(cpu) {
+            log::warn!("ring worker {core}: cannot pin to CPU {cpu}: {e}");
+        }
+        let entries_max = queues.len() * entries_per_queue;
+        // Each entry has at most one command plus its READ segments in flight; segments are
+        // bounded by the ring's size through back-pressure in `Ring::push`.
+        let sq_entries_max = (entries_max * 4 + 8).next_power_of_two() as u32;
+        let ring: Ring<Entry128> = match Ring::new(RingConfig { sq_entries_max }) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = started.send(Err(format!("io_uring with SQE128: {e}")));
+                return;
+            }
+        };
+        let payload_len = shared.negotiated.payload_max();
+        let mut entries: Vec<Entry> = Vec::with_capacity(entries_max);
+        for &qid in queues {
+            for _ in 0..entries_per_queue {
+                let mut header = AlignedBuf::new(HEADER_LEN);
+                let mut payload = AlignedBuf::new(payload_len);
+                let iov = Box::new([
+                    libc::iovec {
+                        iov_base: header.as_mut_ptr().cast(),
+                        iov_len: HEADER_LEN,
+                    },
+                    libc::iovec {
+                        iov_base: payload.as_mut_ptr().cast(),
+                        iov_len: payload_len,
+                    },
+                ]);
+                entries.push(Entry {
+                    qid,
+                    header,
+                    payload,
+                    iov,
+                    state: EntryState::InKernel,
+                });
+            }
+        }
+        let (completions_tx, completions_rx) = crossbeam_channel::bounded(entries_max.max(1));
+        let mut w = Worker {
+            shared,
+            core,
+            ring,
+            devfd: shared.mount.fd(),
+            live: entries.len(),
+            entries,
+            recorder: shared.perf.core(core),
+            completions_tx,
+            waker,
+            scratch_in: vec![0u8; REQUEST_HEADER_ROOM + 64 * 1024],
+            scratch_out: vec![0u8; REQUEST_HEADER_ROOM],
+        };
+        for idx in 0..w.entries.len() {
+            let sqe = register_sqe(w.devfd, &w.entries[idx], idx);
+            // SAFETY: the iovecs and both buffers belong to `entries`, which is neither
+            // resized nor dropped while the kernel holds them (see the end of `run`).
+            if let Err(err) = unsafe { w.ring.push(&sqe) } {
+                let _ = started.send(Err(format!("queue REGISTER: {err}")));
+                return;
+            }
+        }
+        w.arm_waker();
+        let mut done: Vec<uring::Completion> = Vec::with_capacity(entries_max * 2 + 1);
+        // A REGISTER that the kernel accepts completes only when a request arrives; one it
+        // rejects completes at once with an error. Give rejections a moment to show.
+        let _ = w.ring.submit_and_wait(1, Some(Duration::from_millis(100)));
+        w.ring.reap(&mut done);
+        if let Some(c) = done
+            .iter()
+            .find(|c| c.user_data & TAG_MASK == TAG_CMD && c.result < 0)
+        {
+            let err = Errno::from_raw(-c.result)
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            let _ = started.send(Err(format!("REGISTER on queue {queues:?} failed: {err}")));
+            // Entries the kernel accepted still hold our buffers until the ring is gone.
+            let Worker { ring, entries, .. } = w;
+            drop(ring);
+            std::mem::forget(entries);
             return;
         }
-    };
-    let payload_len = (shared.negotiated.max_write as usize)
-        .max(shared.negotiated.max_pages as usize * 4096)
-        .max(8192);
-    let mut entries: Vec<Entry> = Vec::with_capacity(entries_max);
-    for &qid in queues {
-        for _ in 0..entries_per_queue {
-            let mut header = AlignedBuf::new(HEADER_LEN);
-            let mut payload = AlignedBuf::new(payload_len);
-            let iov = Box::new([
-                libc::iovec {
-                    iov_base: header.as_mut_ptr().cast(),
-                    iov_len: HEADER_LEN,
-                },
-                libc::iovec {
-                    iov_base: payload.as_mut_ptr().cast(),
-                    iov_len: payload_len,
-                },
-            ]);
-            entries.push(Entry {
-                qid,
-                header,
-                payload,
-                iov,
-                state: EntryState::InKernel,
-            });
+        let _ = started.send(Ok(()));
+
+        let mut t_batch = w.recorder.timer();
+        loop {
+            for c in done.drain(..) {
+                w.complete(c, &t_batch);
+            }
+            while let Ok(c) = completions_rx.try_recv() {
+                w.deferred(c);
+            }
+            if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
+                break;
+            }
+            if let Err(e) = w.ring.submit_and_wait(1, None) {
+                log::warn!("ring worker {core}: io_uring_enter: {e}");
+                break;
+            }
+            w.ring.reap(&mut done);
+            t_batch = w.recorder.timer();
         }
-    }
-    let devfd = shared.mount.fd();
-    for (i, e) in entries.iter().enumerate() {
-        let sqe = register_sqe(devfd, e, i);
-        // SAFETY: the iovecs and both buffers belong to `entries`, which is neither resized
-        // nor dropped while the kernel holds them (see the end of this function).
-        if let Err(err) = unsafe { ring.push(&sqe) } {
-            let _ = started.send(Err(format!("queue REGISTER: {err}")));
-            return;
-        }
-    }
-    // SAFETY: the poll references only the eventfd, which `waker` keeps open.
-    let _ = unsafe { ring.push(&Entry128::from(waker.poll_entry(TAG_WAKE))) };
-    let mut done: Vec<uring::Completion> = Vec::with_capacity(entries_max + 1);
-    // A REGISTER that the kernel accepts completes only when a request arrives; one it
-    // rejects completes at once with an error. Give rejections a moment to show.
-    let _ = ring.submit_and_wait(1, Some(Duration::from_millis(100)));
-    ring.reap(&mut done);
-    if let Some(c) = done
-        .iter()
-        .find(|c| c.user_data & TAG_MASK == TAG_CMD && c.result < 0)
-    {
-        let err = Errno::from_raw(-c.result)
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        let _ = started.send(Err(format!("REGISTER on queue {queues:?} failed: {err}")));
-        // Entries the kernel accepted still hold our buffers; they are released with the ring.
+        let Worker {
+            ring,
+            entries,
+            live,
+            ..
+        } = w;
         drop(ring);
-        std::mem::forget(entries);
-        return;
+        if live > 0 {
+            // Stopped while entries were still registered: the kernel drops them when the
+            // ring closes, but it may finish doing so after we return, so the buffers stay
+            // allocated until the process exits rather than risk a write into freed memory.
+            std::mem::forget(entries);
+        }
     }
-    let _ = started.send(Ok(()));
 
-    let recorder = shared.perf.core(core);
-    let mut scratch_in = vec![0u8; REQUEST_HEADER_ROOM + 64 * 1024];
-    let mut scratch_out = vec![0u8; REQUEST_HEADER_ROOM];
-    let mut live = entries.len();
-    let mut t_batch = recorder.timer();
-    loop {
-        for c in done.drain(..) {
-            let idx = (c.user_data & !TAG_MASK) as usize;
-            match c.user_data & TAG_MASK {
-                TAG_WAKE => {
-                    waker.drain();
-                    // SAFETY: as above, the poll references only the eventfd.
-                    let _ = unsafe { ring.push(&Entry128::from(waker.poll_entry(TAG_WAKE))) };
-                }
-                TAG_CMD => {
-                    let Some(e) = entries.get_mut(idx) else {
-                        continue;
-                    };
-                    if c.result < 0 {
-                        match -c.result {
-                            libc::EAGAIN | libc::EINTR => {
-                                let sqe = register_sqe(devfd, e, idx);
-                                // SAFETY: as for the first REGISTER.
-                                let _ = unsafe { ring.push(&sqe) };
-                            }
-                            err => {
-                                if err != libc::ENOTCONN {
-                                    log::warn!(
-                                        "ring entry {idx}: {}",
-                                        std::io::Error::from_raw_os_error(err)
-                                    );
-                                }
-                                e.state = EntryState::Dead;
-                                live -= 1;
-                            }
-                        }
-                        continue;
-                    }
-                    let t_total = recorder.timer();
-                    if let Some(wait) = t_batch.elapsed_ns() {
-                        recorder.record(op_index(peek_opcode(e)), perf::Stage::QueueWait, wait);
-                    }
-                    let outcome = serve(
-                        shared,
-                        core,
-                        e,
-                        &mut scratch_in,
-                        &mut scratch_out,
-                        &recorder,
-                    );
-                    match outcome {
-                        Served::Reply { op } => {
-                            push_commit(&mut ring, devfd, e, idx);
-                            recorder.record_since(op, perf::Stage::Total, &t_total);
-                        }
-                        Served::ReadData {
-                            fd,
-                            offset,
-                            len,
-                            unique,
-                            commit_id,
-                            op,
-                        } => {
-                            e.state = EntryState::ReadingData {
-                                unique,
-                                commit_id,
-                                op,
-                                started: t_total,
-                            };
-                            let len = len.min(e.payload.len()) as u32;
-                            let sqe = opcode::Read::new(types::Fd(fd), e.payload.as_mut_ptr(), len)
-                                .offset(offset)
-                                .build()
-                                .user_data(TAG_DATA_READ | idx as u64);
-                            // SAFETY: the payload belongs to the entry, which is not handed
-                            // back to the kernel until this read completes.
-                            let _ = unsafe { ring.push(&Entry128::from(sqe)) };
-                        }
-                    }
-                }
-                TAG_DATA_READ => {
-                    let Some(e) = entries.get_mut(idx) else {
-                        continue;
-                    };
-                    let EntryState::ReadingData {
-                        unique,
-                        commit_id,
-                        op,
-                        started,
-                    } = e.state
-                    else {
-                        continue;
-                    };
-                    let (error, len) = if c.result < 0 {
-                        (c.result, 0)
-                    } else {
-                        (0, c.result as usize)
-                    };
-                    write_reply(e, unique, commit_id, error, len);
-                    push_commit(&mut ring, devfd, e, idx);
-                    recorder.record_since(op, perf::Stage::DeviceIo, &t_batch);
-                    recorder.record_since(op, perf::Stage::Total, &started);
-                }
-                _ => {}
-            }
-        }
-        if live == 0 || shared.stop.load(Ordering::Relaxed) {
-            break;
-        }
-        if let Err(e) = ring.submit_and_wait(1, None) {
-            log::warn!("ring worker {core}: io_uring_enter: {e}");
-            break;
-        }
-        ring.reap(&mut done);
-        t_batch = recorder.timer();
+    fn arm_waker(&mut self) {
+        // SAFETY: the poll references only the eventfd, which the waker keeps open.
+        let _ = unsafe {
+            self.ring
+                .push(&Entry128::from(self.waker.poll_entry(TAG_WAKE)))
+        };
     }
-    drop(ring);
-    if live > 0 {
-        // Stopped while entries were still registered: the kernel drops them when the ring
-        // closes, but it may finish doing so after we return, so the buffers stay allocated
-        // until the process exits rather than risk the kernel writing into freed memory.
-        std::mem::forget(entries);
-    }
-}
 
-enum Served {
-    /// The reply is in the entry's buffers: commit it.
-    Reply { op: usize },
-    /// The reply's data must first be read from a file into the payload.
-    ReadData {
-        fd: i32,
-        offset: u64,
-        len: usize,
-        unique: u64,
-        commit_id: u64,
-        op: usize,
-    },
-}
-
-/// Decodes the request in `e`, runs the handler and leaves the reply in `e`.
-fn serve(
-    shared: &Shared,
-    core: usize,
-    e: &mut Entry,
-    scratch_in: &mut Vec<u8>,
-    scratch_out: &mut [u8],
-    recorder: &perf::CoreRecorder,
-) -> Served {
-    let ent = &e.header[ENT_OFFSET..ENT_OFFSET + 32];
-    let commit_id = u64::from_ne_bytes(ent[8..16].try_into().expect("8 bytes"));
-    let payload_sz = (u32::from_ne_bytes(ent[16..20].try_into().expect("4 bytes")) as usize)
-        .min(e.payload.len());
-    let in_len = u32::from_ne_bytes(e.header[0..4].try_into().expect("4 bytes")) as usize;
-    let opcode = u32::from_ne_bytes(e.header[4..8].try_into().expect("4 bytes"));
-    let unique = u64::from_ne_bytes(e.header[8..16].try_into().expect("8 bytes"));
-    let op = op_index(opcode);
-    recorder.count(op);
-    let arg0_len = in_len.saturating_sub(IN_HEADER_LEN + payload_sz).min(128);
-    let is_write = opcode == crate::opcode::Opcode::Write as u32;
-    let t_handler = recorder.timer();
-    let reply = {
-        let hdr = &e.header[..IN_HEADER_LEN];
-        let arg0 = &e.header[OP_IN_OFFSET..OP_IN_OFFSET + arg0_len];
-        if is_write {
-            // WRITE data stays where the kernel put it; the small reply is built aside.
-            match request::decode_parts(hdr, arg0, &e.payload[..payload_sz]) {
-                Ok(req) => dispatch(shared.handler.as_ref(), core, &req, scratch_out),
-                Err(err) => decode_failed(opcode, unique, &err),
+    fn complete(&mut self, c: uring::Completion, t_batch: &perf::Timer) {
+        let idx = (c.user_data & !TAG_MASK) as usize;
+        match c.user_data & TAG_MASK {
+            TAG_WAKE => {
+                self.waker.drain();
+                self.arm_waker();
             }
-        } else {
-            // Names and values are copied aside so the handler can write its reply (a READ's
-            // data, say) straight into the payload the kernel will copy out.
-            if scratch_in.len() < payload_sz {
-                scratch_in.resize(payload_sz, 0);
+            TAG_CMD if c.result < 0 => self.command_failed(idx, -c.result),
+            TAG_CMD => {
+                if let Some(wait) = t_batch.elapsed_ns() {
+                    let op = op_index(peek_opcode(&self.entries[idx]));
+                    self.recorder.record(op, perf::Stage::QueueWait, wait);
+                }
+                self.serve(idx);
             }
-            scratch_in[..payload_sz].copy_from_slice(&e.payload[..payload_sz]);
-            match request::decode_parts(hdr, arg0, &scratch_in[..payload_sz]) {
-                Ok(req) => dispatch(shared.handler.as_ref(), core, &req, &mut e.payload),
-                Err(err) => decode_failed(opcode, unique, &err),
-            }
+            TAG_DATA_READ => self.segment_read(idx, c.result),
+            _ => {}
         }
-    };
-    recorder.record_since(op, perf::Stage::Handler, &t_handler);
-    let (error, len) = match reply {
-        Reply::Bytes(n) => {
+    }
+
+    fn command_failed(&mut self, idx: usize, err: i32) {
+        let Some(e) = self.entries.get_mut(idx) else {
+            return;
+        };
+        if err == libc::EAGAIN || err == libc::EINTR {
+            let sqe = register_sqe(self.devfd, e, idx);
+            // SAFETY: as for the first REGISTER.
+            let _ = unsafe { self.ring.push(&sqe) };
+            return;
+        }
+        if err != libc::ENOTCONN {
+            log::warn!(
+                "ring entry {idx}: {}",
+                std::io::Error::from_raw_os_error(err)
+            );
+        }
+        e.state = EntryState::Dead;
+        self.live -= 1;
+    }
+
+    /// Decodes the request in entry `idx`, runs the handler and acts on its reply.
+    fn serve(&mut self, idx: usize) {
+        let started = self.recorder.timer();
+        let e = &mut self.entries[idx];
+        let ent = &e.header[ENT_OFFSET..ENT_OFFSET + 32];
+        let payload_sz = (u32::from_ne_bytes(ent[16..20].try_into().expect("4 bytes")) as usize)
+            .min(e.payload.len());
+        let in_len = u32::from_ne_bytes(e.header[0..4].try_into().expect("4 bytes")) as usize;
+        let opcode = peek_opcode(e);
+        let unique = u64::from_ne_bytes(e.header[8..16].try_into().expect("8 bytes"));
+        let op = op_index(opcode);
+        self.recorder.count(op);
+        let arg0_len = in_len.saturating_sub(IN_HEADER_LEN + payload_sz).min(128);
+        let is_write = opcode == crate::opcode::Opcode::Write as u32;
+        let ctx = RequestCtx::deferrable(self.core, &self.completions_tx, self.waker, idx as u64);
+        let handler = self.shared.handler.as_ref();
+        let t_handler = self.recorder.timer();
+        let reply = {
+            let hdr = &e.header[..IN_HEADER_LEN];
+            let arg0 = &e.header[OP_IN_OFFSET..OP_IN_OFFSET + arg0_len];
             if is_write {
-                e.payload[..n].copy_from_slice(&scratch_out[..n]);
+                // WRITE data stays where the kernel put it; the small reply is built aside.
+                match request::decode_parts(hdr, arg0, &e.payload[..payload_sz]) {
+                    Ok(req) => dispatch(handler, &ctx, &req, &mut self.scratch_out),
+                    Err(err) => decode_failed(opcode, unique, &err),
+                }
+            } else {
+                // Names and values are copied aside so the handler can write its reply (a
+                // READ's data, say) straight into the payload the kernel will copy out.
+                if self.scratch_in.len() < payload_sz {
+                    self.scratch_in.resize(payload_sz, 0);
+                }
+                self.scratch_in[..payload_sz].copy_from_slice(&e.payload[..payload_sz]);
+                match request::decode_parts(hdr, arg0, &self.scratch_in[..payload_sz]) {
+                    Ok(req) => dispatch(handler, &ctx, &req, &mut e.payload),
+                    Err(err) => decode_failed(opcode, unique, &err),
+                }
             }
-            (0, n)
+        };
+        self.recorder
+            .record_since(op, perf::Stage::Handler, &t_handler);
+        let p = Pending {
+            unique,
+            op,
+            started,
+        };
+        match reply {
+            Reply::Bytes(n) => {
+                if is_write {
+                    e.payload[..n].copy_from_slice(&self.scratch_out[..n]);
+                }
+                self.reply(idx, p, 0, n);
+            }
+            Reply::Error(err) => self.reply(idx, p, -err.raw(), 0),
+            // Requests that take no reply never arrive on the ring; answer defensively so
+            // the entry is not lost.
+            Reply::None => self.reply(idx, p, -libc::ENOSYS, 0),
+            Reply::Deferred => e.state = EntryState::Deferred(p),
+            Reply::Fd { fd, offset, len } => {
+                let plan = ReadPlan {
+                    segments: vec![Segment::Device {
+                        fd,
+                        offset,
+                        len: len.min(e.payload.len()),
+                    }],
+                    skip: 0,
+                    len: len.min(e.payload.len()),
+                };
+                self.start_read(idx, p, &plan, true);
+            }
+            Reply::Read(plan) => self.start_read(idx, p, &plan, false),
         }
-        Reply::Error(err) => (-err.raw(), 0),
-        // Requests that take no reply never arrive on the ring; answer defensively so the
-        // entry is not lost.
-        Reply::None => (-libc::ENOSYS, 0),
-        Reply::Fd { fd, offset, len } => {
-            return Served::ReadData {
-                fd,
-                offset,
-                len,
-                unique,
-                commit_id,
-                op,
-            };
+    }
+
+    /// A deferred reply arrived from another thread.
+    fn deferred(&mut self, c: DeferredCompletion) {
+        let idx = c.token as usize;
+        let Some(e) = self.entries.get_mut(idx) else {
+            return;
+        };
+        let EntryState::Deferred(p) = e.state else {
+            log::error!("deferred reply for ring entry {idx} in state {:?}", e.state);
+            return;
+        };
+        match c.outcome {
+            DeferredOutcome::Bytes(args) if args.len() <= e.payload.len() => {
+                e.payload[..args.len()].copy_from_slice(&args);
+                self.reply(idx, p, 0, args.len());
+            }
+            DeferredOutcome::Bytes(args) => {
+                log::error!("deferred reply of {} bytes exceeds the payload", args.len());
+                self.reply(idx, p, -libc::EIO, 0);
+            }
+            DeferredOutcome::Error(err) => self.reply(idx, p, -err.raw(), 0),
+            DeferredOutcome::Read(plan) if plan_fits(&plan, e.payload.len()) => {
+                self.start_read(idx, p, &plan, false)
+            }
+            DeferredOutcome::Read(plan) => {
+                log::error!("deferred read plan {plan:?} does not fit the payload");
+                self.reply(idx, p, -libc::EIO, 0);
+            }
         }
-    };
-    write_reply(e, unique, commit_id, error, len);
-    Served::Reply { op }
+    }
+
+    /// Reads a READ reply's device segments into the payload with io_uring READs.
+    fn start_read(&mut self, idx: usize, p: Pending, plan: &ReadPlan, short_is_eof: bool) {
+        let e = &mut self.entries[idx];
+        let mut progress = ReadProgress {
+            outstanding: 0,
+            error: 0,
+            got: 0,
+            want: 0,
+            skip: plan.skip,
+            len: plan.len,
+            short_is_eof,
+        };
+        let mut pos = 0;
+        for seg in &plan.segments {
+            match *seg {
+                Segment::Zero { len } => e.payload[pos..pos + len].fill(0),
+                Segment::Device { fd, offset, len } => {
+                    let buf = e.payload[pos..].as_mut_ptr();
+                    let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
+                        .offset(offset)
+                        .build()
+                        .user_data(TAG_DATA_READ | idx as u64);
+                    // SAFETY: the range lies inside the payload (the plan was checked to fit)
+                    // and the entry stays in `Reading` until every read completes.
+                    if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
+                        progress.outstanding += 1;
+                        progress.want += len;
+                    } else {
+                        progress.error = -libc::EIO;
+                    }
+                }
+            }
+            pos += seg.len();
+        }
+        if progress.outstanding == 0 {
+            self.finish_read(idx, p, progress);
+        } else {
+            e.state = EntryState::Reading(p, progress);
+        }
+    }
+
+    fn segment_read(&mut self, idx: usize, result: i32) {
+        let Some(e) = self.entries.get_mut(idx) else {
+            return;
+        };
+        let EntryState::Reading(p, mut progress) = e.state else {
+            return;
+        };
+        progress.outstanding -= 1;
+        if result < 0 {
+            progress.error = result;
+        } else {
+            progress.got += result as usize;
+        }
+        if progress.outstanding > 0 {
+            e.state = EntryState::Reading(p, progress);
+            return;
+        }
+        self.recorder
+            .record_since(p.op, perf::Stage::DeviceIo, &p.started);
+        self.finish_read(idx, p, progress);
+    }
+
+    fn finish_read(&mut self, idx: usize, p: Pending, progress: ReadProgress) {
+        if progress.error < 0 {
+            return self.reply(idx, p, progress.error, 0);
+        }
+        let len = if progress.short_is_eof {
+            progress.got.min(progress.len)
+        } else if progress.got < progress.want {
+            log::error!(
+                "short device read: {} of {} bytes",
+                progress.got,
+                progress.want
+            );
+            return self.reply(idx, p, -libc::EIO, 0);
+        } else {
+            progress.len
+        };
+        if progress.skip > 0 {
+            let e = &mut self.entries[idx];
+            e.payload.copy_within(progress.skip..progress.skip + len, 0);
+        }
+        self.reply(idx, p, 0, len);
+    }
+
+    /// Writes the out header and payload size, and commits (which fetches the next request).
+    fn reply(&mut self, idx: usize, p: Pending, error: i32, len: usize) {
+        let e = &mut self.entries[idx];
+        let len = if error == 0 { len } else { 0 };
+        e.header[..16].copy_from_slice(&out_header(p.unique, error, len));
+        let sz = u32::try_from(len).expect("payload below 4 GiB");
+        e.header[ENT_OFFSET + 16..ENT_OFFSET + 20].copy_from_slice(&sz.to_ne_bytes());
+        e.state = EntryState::InKernel;
+        let ent = &e.header[ENT_OFFSET..ENT_OFFSET + 32];
+        let commit_id = u64::from_ne_bytes(ent[8..16].try_into().expect("8 bytes"));
+        let sqe = uring::ring::uring_cmd80(
+            self.devfd,
+            CMD_COMMIT_AND_FETCH,
+            0,
+            0,
+            cmd_req(commit_id, e.qid),
+        )
+        .user_data(TAG_CMD | idx as u64);
+        // SAFETY: COMMIT_AND_FETCH reuses the buffers registered for this entry, which live
+        // as long as `entries`.
+        if let Err(err) = unsafe { self.ring.push(&sqe) } {
+            log::error!("cannot queue COMMIT_AND_FETCH: {err}");
+        }
+        self.recorder
+            .record_since(p.op, perf::Stage::Total, &p.started);
+    }
 }
 
 fn peek_opcode(e: &Entry) -> u32 {
@@ -403,27 +546,6 @@ fn peek_opcode(e: &Entry) -> u32 {
 fn decode_failed(opcode: u32, unique: u64, err: &request::DecodeError) -> Reply {
     log::warn!("malformed request (opcode {opcode}, unique {unique}) on the ring: {err}");
     Reply::Error(Errno::EIO)
-}
-
-fn write_reply(e: &mut Entry, unique: u64, _commit_id: u64, error: i32, len: usize) {
-    let len = if error == 0 { len } else { 0 };
-    e.header[..16].copy_from_slice(&out_header(unique, error, len));
-    let sz = u32::try_from(len).expect("payload below 4 GiB");
-    e.header[ENT_OFFSET + 16..ENT_OFFSET + 20].copy_from_slice(&sz.to_ne_bytes());
-    e.state = EntryState::InKernel;
-}
-
-fn push_commit(ring: &mut Ring<Entry128>, devfd: i32, e: &Entry, idx: usize) {
-    let ent = &e.header[ENT_OFFSET..ENT_OFFSET + 32];
-    let commit_id = u64::from_ne_bytes(ent[8..16].try_into().expect("8 bytes"));
-    let sqe =
-        uring::ring::uring_cmd80(devfd, CMD_COMMIT_AND_FETCH, 0, 0, cmd_req(commit_id, e.qid))
-            .user_data(TAG_CMD | idx as u64);
-    // SAFETY: COMMIT_AND_FETCH reuses the buffers registered for this entry, which live as
-    // long as `entries` in the worker.
-    if let Err(err) = unsafe { ring.push(&sqe) } {
-        log::error!("cannot queue COMMIT_AND_FETCH: {err}");
-    }
 }
 
 fn register_sqe(devfd: i32, e: &Entry, idx: usize) -> Entry128 {
