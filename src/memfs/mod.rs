@@ -27,10 +27,7 @@ mod tests;
 use std::{
     fs::File,
     io,
-    os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::fs::FileExt,
-    },
+    os::{fd::AsRawFd, unix::fs::FileExt},
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc, Mutex, PoisonError,
@@ -1113,15 +1110,19 @@ fn io_errno(e: io::Error) -> Errno {
     }
 }
 
-/// An anonymous memory-backed file.
+/// Where file data lives: an unnamed file in this tmpfs, so it is memory, and READ replies can
+/// be spliced from it.
+const DATA_DIR: &str = "/dev/shm";
+
+/// An anonymous memory-backed file (`O_TMPFILE` on tmpfs: it has no name and vanishes with
+/// its last descriptor).
 fn memfd() -> Result<File, Errno> {
-    // SAFETY: the name is a NUL-terminated literal that memfd_create only reads during the
-    // call; the flags are valid.
-    let raw = unsafe { libc::memfd_create(c"etcfs-memfs".as_ptr(), libc::MFD_CLOEXEC) };
-    if raw < 0 {
-        return Err(io_errno(io::Error::last_os_error()));
-    }
-    // SAFETY: `raw` is a descriptor memfd_create just returned; nothing else owns it, so
-    // the OwnedFd is its only owner and closes it exactly once.
-    Ok(File::from(unsafe { OwnedFd::from_raw_fd(raw) }))
+    use std::os::unix::fs::OpenOptionsExt as _;
+    File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
+        .mode(0o600)
+        .open(DATA_DIR)
+        .map_err(io_errno)
 }

@@ -14,6 +14,7 @@
 //!
 //! This crate knows nothing of FUSE or etcd.
 
+pub mod batch;
 pub mod buf;
 pub mod cpu;
 pub mod ring;

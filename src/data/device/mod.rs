@@ -13,10 +13,8 @@
 
 pub(crate) mod mem;
 pub(crate) mod psync;
-// The io_uring engine builds its SQEs with the `io-uring` crate, which must be a direct
-// dependency of the root crate (`io-uring.workspace = true` in Cargo.toml). Until it is, the
-// engine is compiled out; delete this `cfg` line when adding the dependency.
-#[cfg(any())]
+// The io_uring engine builds its SQEs with the `io-uring` crate (a direct dependency of the
+// root crate).
 pub(crate) mod uring;
 
 use std::{

@@ -2,17 +2,16 @@
 //! io_uring, up to `inflight_max` at once, and the call returns when every one of them has
 //! completed.
 //!
-//! Buffers are borrowed from the caller for the duration of `submit_batch`. That is sound
-//! because the function does not return (or unwind) while any SQE it pushed is still
-//! without a reaped completion: the kernel stops touching a buffer exactly when the
-//! completion of its SQE is posted. If the ring itself breaks while requests are in flight
-//! (the wait syscall keeps failing), returning would hand the caller memory the kernel may
-//! still write, so the process aborts instead; this cannot happen short of a kernel bug.
+//! Buffers are borrowed from the caller for the duration of `submit_batch`, which hands
+//! them to `uring::batch::run_batch`: it returns only when the kernel is done with all of
+//! them, so this engine needs no `unsafe` of its own.
 
-use std::{io, os::fd::AsRawFd, os::unix::fs::FileExt, sync::Arc, time::Duration};
+use std::{io, os::fd::AsRawFd, os::unix::fs::FileExt, sync::Arc};
 
-use ::uring::{Completion, Ring, RingConfig};
-use io_uring::{opcode, types};
+use ::uring::{
+    batch::{run_batch, BatchBuf, BatchOp},
+    Ring, RingConfig,
+};
 
 use super::{check_req, BlockDev, DevError, DevFile, IoBuf, IoReq};
 
@@ -34,9 +33,6 @@ impl Default for UringDevConfig {
     }
 }
 
-/// Consecutive failures of the wait syscall tolerated while requests are in flight.
-const WAIT_RETRIES_MAX: u32 = 1000;
-
 /// An io_uring engine for the calling thread. Create one per thread from a shared
 /// [`DevFile`]; it must stay on the thread that created it.
 pub(crate) struct UringDev {
@@ -44,7 +40,6 @@ pub(crate) struct UringDev {
     size: u64,
     ring: Ring,
     inflight_max: usize,
-    reaped: Vec<Completion>,
 }
 
 impl UringDev {
@@ -65,23 +60,7 @@ impl UringDev {
             size: dev.size,
             ring,
             inflight_max: cfg.inflight_max.min(cfg.sq_entries_max as usize),
-            reaped: Vec::with_capacity(cfg.sq_entries_max as usize * 2),
         })
-    }
-
-    fn sqe(&self, req: &mut IoReq<'_>, user_data: u64) -> io_uring::squeue::Entry {
-        let fd = types::Fd(self.file.as_raw_fd());
-        let len = u32::try_from(req.len).expect("check_req bounds len by REQ_BYTES_MAX");
-        match &mut req.buf {
-            IoBuf::Read(b) => opcode::Read::new(fd, b.as_mut_ptr(), len)
-                .offset(req.off)
-                .build()
-                .user_data(user_data),
-            IoBuf::Write(b) => opcode::Write::new(fd, b.as_ptr(), len)
-                .offset(req.off)
-                .build()
-                .user_data(user_data),
-        }
     }
 
     /// Turns a completion into the request's result, finishing a short transfer
@@ -112,29 +91,6 @@ impl UringDev {
         }
         Ok(())
     }
-
-    /// Waits for at least one completion. Never returns an error: with requests in flight
-    /// there is nothing safe to return to (see the module comment).
-    fn wait_one(&mut self) {
-        let mut failures = 0u32;
-        loop {
-            match self.ring.submit_and_wait(1, Some(Duration::from_secs(1))) {
-                Ok(()) => return,
-                Err(e) => {
-                    failures += 1;
-                    log::warn!("io_uring wait failed with I/O in flight ({failures}): {e}");
-                    if failures >= WAIT_RETRIES_MAX {
-                        log::error!(
-                            "io_uring wait keeps failing with device I/O in flight; aborting \
-                             rather than freeing memory the kernel may still write"
-                        );
-                        std::process::abort();
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }
-        }
-    }
 }
 
 impl BlockDev for UringDev {
@@ -147,54 +103,37 @@ impl BlockDev for UringDev {
     }
 
     fn submit_batch(&mut self, reqs: &mut [IoReq<'_>]) -> Vec<Result<(), DevError>> {
-        let n = reqs.len();
-        let mut results: Vec<Option<Result<(), DevError>>> = Vec::with_capacity(n);
-        for r in reqs.iter() {
-            results.push(check_req(r, self.size).err().map(Err));
+        let checked: Vec<Option<DevError>> =
+            reqs.iter().map(|r| check_req(r, self.size).err()).collect();
+        let fd = self.file.as_raw_fd();
+        let mut ops = Vec::with_capacity(reqs.len());
+        let mut index = Vec::with_capacity(reqs.len());
+        for (i, r) in reqs.iter_mut().enumerate() {
+            if checked[i].is_some() {
+                continue;
+            }
+            let len = r.len;
+            let buf = match &mut r.buf {
+                IoBuf::Read(b) => BatchBuf::Read(&mut b[..len]),
+                IoBuf::Write(b) => BatchBuf::Write(&b[..len]),
+            };
+            ops.push(BatchOp {
+                fd,
+                offset: r.off,
+                buf,
+            });
+            index.push(i);
         }
-        let mut next = 0usize;
-        let mut inflight = 0usize;
-        loop {
-            while inflight < self.inflight_max && next < n {
-                let i = next;
-                next += 1;
-                if results[i].is_some() {
-                    continue;
-                }
-                let sqe = self.sqe(&mut reqs[i], i as u64);
-                // SAFETY: the SQE points into the buffer of `reqs[i]`, which `reqs` borrows
-                // for this whole call, and this function returns only when `inflight` is
-                // back to zero, i.e. when the completion of every pushed SQE (user_data =
-                // its index) has been reaped below; `wait_one` aborts rather than return
-                // with I/O in flight.
-                match unsafe { self.ring.push(&sqe) } {
-                    Ok(()) => inflight += 1,
-                    Err(err) => {
-                        let (off, len) = (reqs[i].off, reqs[i].len);
-                        results[i] = Some(Err(DevError::Io {
-                            op: "io_uring submit",
-                            off,
-                            len,
-                            err,
-                        }));
-                    }
-                }
-            }
-            if inflight == 0 {
-                break;
-            }
-            self.wait_one();
-            let mut reaped = std::mem::take(&mut self.reaped);
-            reaped.clear();
-            self.ring.reap(&mut reaped);
-            for c in &reaped {
-                let i = usize::try_from(c.user_data).expect("user_data is a batch index");
-                assert!(i < n, "completion for an index outside the batch");
-                assert!(results[i].is_none(), "second completion for one request");
-                inflight -= 1;
-                results[i] = Some(self.finish(&mut reqs[i], c.result));
-            }
-            self.reaped = reaped;
+        let done = run_batch(&mut self.ring, &mut ops, self.inflight_max);
+        drop(ops);
+        let mut results: Vec<Option<Result<(), DevError>>> =
+            checked.into_iter().map(|e| e.map(Err)).collect();
+        for (i, r) in index.into_iter().zip(done) {
+            let result = match r {
+                Ok(n) => i32::try_from(n).unwrap_or(i32::MAX),
+                Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
+            };
+            results[i] = Some(self.finish(&mut reqs[i], result));
         }
         results
             .into_iter()
