@@ -51,7 +51,9 @@ fn missing_prerequisite(transport: Option<&str>) -> Option<String> {
         return Some("needs root and /dev/fuse".into());
     }
     if transport == Some("uring") {
-        let on = fs::read_to_string(ENABLE_URING).map(|s| s.trim() == "Y").unwrap_or(false);
+        let on = fs::read_to_string(ENABLE_URING)
+            .map(|s| s.trim() == "Y")
+            .unwrap_or(false);
         if !on {
             return Some(format!("needs FUSE-over-io_uring: {ENABLE_URING} is not Y"));
         }
@@ -62,7 +64,9 @@ fn missing_prerequisite(transport: Option<&str>) -> Option<String> {
 /// True when the test may go on; otherwise says loudly why it is skipped, or fails when
 /// `ETCFS_REQUIRE_MOUNT_TESTS=1`.
 fn can_run(test: &str, transport: Option<&str>) -> bool {
-    let Some(why) = missing_prerequisite(transport) else { return true };
+    let Some(why) = missing_prerequisite(transport) else {
+        return true;
+    };
     let name = match transport {
         Some(t) => format!("{t}::{test}"),
         None => test.to_string(),
@@ -84,7 +88,10 @@ fn unescape_mountinfo(field: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
             out.push(v);
             i += 4;
@@ -168,11 +175,22 @@ fn run_bounded(cmd: &mut Command, timeout: Duration) -> (Output, bool) {
     };
     let stdout = out_t.join().unwrap_or_default();
     let stderr = err_t.join().unwrap_or_default();
-    (Output { status, stdout, stderr }, in_time)
+    (
+        Output {
+            status,
+            stdout,
+            stderr,
+        },
+        in_time,
+    )
 }
 
 fn lazy_umount(path: &Path) -> Output {
-    run_bounded(Command::new("umount").arg("-l").arg(path), Duration::from_secs(10)).0
+    run_bounded(
+        Command::new("umount").arg("-l").arg(path),
+        Duration::from_secs(10),
+    )
+    .0
 }
 
 static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
@@ -180,7 +198,10 @@ static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
 /// A fresh directory under /tmp, unique to this process and call.
 fn temp_base(label: &str) -> PathBuf {
     let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
-    let base = PathBuf::from(format!("/tmp/etcfs-mount-test-{}-{n}-{label}", std::process::id()));
+    let base = PathBuf::from(format!(
+        "/tmp/etcfs-mount-test-{}-{n}-{label}",
+        std::process::id()
+    ));
     let _ = fs::remove_dir_all(&base);
     fs::create_dir_all(&base).unwrap_or_else(|e| panic!("create {}: {e}", base.display()));
     base
@@ -204,7 +225,10 @@ impl Mounted {
             return None;
         }
         let m = Mounted::start(test, transport, extra);
-        let served = m.stats_json()["transport"].as_str().unwrap_or_default().to_string();
+        let served = m.stats_json()["transport"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         assert_eq!(
             served.split_whitespace().next(),
             Some(transport),
@@ -231,7 +255,13 @@ impl Mounted {
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {ETCFS}: {e}"));
         // The guard exists before anything can fail, so a failure below still cleans up.
-        let mut m = Mounted { base, mnt, log, transport: transport.to_string(), child: Some(child) };
+        let mut m = Mounted {
+            base,
+            mnt,
+            log,
+            transport: transport.to_string(),
+            child: Some(child),
+        };
         let start = Instant::now();
         loop {
             if is_mounted(&m.mnt) {
@@ -239,10 +269,16 @@ impl Mounted {
             }
             let child = m.child.as_mut().expect("child");
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("etcfs mount exited ({status}) before mounting:\n{}", m.log_text());
+                panic!(
+                    "etcfs mount exited ({status}) before mounting:\n{}",
+                    m.log_text()
+                );
             }
             if start.elapsed() > DAEMON_DEADLINE {
-                panic!("etcfs did not mount within {DAEMON_DEADLINE:?}:\n{}", m.log_text());
+                panic!(
+                    "etcfs did not mount within {DAEMON_DEADLINE:?}:\n{}",
+                    m.log_text()
+                );
             }
             thread::sleep(Duration::from_millis(10));
         }
@@ -267,12 +303,18 @@ impl Mounted {
         let start = Instant::now();
         loop {
             let (out, _) = run_bounded(
-                Command::new(ETCFS).arg("stats").arg(&self.mnt).arg("--json"),
+                Command::new(ETCFS)
+                    .arg("stats")
+                    .arg(&self.mnt)
+                    .arg("--json"),
                 Duration::from_secs(10),
             );
             if out.status.success() {
                 let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                assert!(text.contains("\"transport\"") && text.contains("\"ops\""), "{text}");
+                assert!(
+                    text.contains("\"transport\"") && text.contains("\"ops\""),
+                    "{text}"
+                );
                 return serde_json::from_str(&text)
                     .unwrap_or_else(|e| panic!("stats --json is not JSON ({e}): {text}"));
             }
@@ -305,7 +347,11 @@ impl Mounted {
 impl Drop for Mounted {
     fn drop(&mut self) {
         if thread::panicking() {
-            loud(&format!("--- etcfs daemon log ({}) ---\n{}", self.log.display(), self.log_text()));
+            loud(&format!(
+                "--- etcfs daemon log ({}) ---\n{}",
+                self.log.display(),
+                self.log_text()
+            ));
         }
         if let Some(child) = self.child.as_mut() {
             if matches!(child.try_wait(), Ok(None)) {
@@ -321,7 +367,10 @@ impl Drop for Mounted {
         }
         if let Some(mut child) = self.child.take() {
             if matches!(child.try_wait(), Ok(None)) {
-                loud(&format!("etcfs daemon pid {} ignored SIGTERM; killing it", child.id()));
+                loud(&format!(
+                    "etcfs daemon pid {} ignored SIGTERM; killing it",
+                    child.id()
+                ));
                 let _ = child.kill();
                 let _ = child.wait();
             }
@@ -333,7 +382,10 @@ impl Drop for Mounted {
             lazy_umount(&self.mnt);
         }
         if is_mounted(&self.mnt) {
-            loud(&format!("leaving {} behind: still mounted", self.base.display()));
+            loud(&format!(
+                "leaving {} behind: still mounted",
+                self.base.display()
+            ));
         } else {
             let _ = fs::remove_dir_all(&self.base);
         }
@@ -368,9 +420,16 @@ impl Load {
             f.set_len(LOAD_FILE_SIZE).expect("size load file");
             drop(f);
             let (stop, ops, errors) = (stop.clone(), ops.clone(), errors.clone());
-            threads.push(thread::spawn(move || load_loop(&path, i as u64, &stop, &ops, &errors)));
+            threads.push(thread::spawn(move || {
+                load_loop(&path, i as u64, &stop, &ops, &errors)
+            }));
         }
-        Load { stop, ops, errors, threads }
+        Load {
+            stop,
+            ops,
+            errors,
+            threads,
+        }
     }
 
     /// Waits until the threads have done `n` operations (so requests are surely flowing).
@@ -403,7 +462,10 @@ impl Load {
         for t in self.threads.drain(..) {
             t.join().expect("load thread panicked");
         }
-        (self.ops.load(Ordering::SeqCst), self.errors.load(Ordering::SeqCst))
+        (
+            self.ops.load(Ordering::SeqCst),
+            self.errors.load(Ordering::SeqCst),
+        )
     }
 }
 
@@ -424,7 +486,9 @@ fn load_loop(path: &Path, seed: u64, stop: &AtomicBool, ops: &AtomicU64, errors:
         let off = (x % blocks) * 4096;
         let r: io::Result<()> = match x % 3 {
             0 => fs::metadata(path).map(drop),
-            1 => File::open(path).and_then(|f| f.read_at(&mut buf, off)).map(drop),
+            1 => File::open(path)
+                .and_then(|f| f.read_at(&mut buf, off))
+                .map(drop),
             // No O_CREAT: once the mount is gone this must not create files underneath.
             _ => OpenOptions::new()
                 .write(true)
@@ -450,7 +514,12 @@ fn errno_of(r: io::Result<impl Sized>) -> Option<i32> {
 fn sorted_names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("readdir {}: {e}", dir.display()))
-        .map(|e| e.expect("dir entry").file_name().to_string_lossy().into_owned())
+        .map(|e| {
+            e.expect("dir entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
         .collect();
     v.sort();
     v
@@ -458,7 +527,9 @@ fn sorted_names(dir: &Path) -> Vec<String> {
 
 /// Bytes that differ from block to block and within a block, so misplaced or stale pages show.
 fn pattern(len: usize, salt: u8) -> Vec<u8> {
-    (0..len).map(|i| ((i % 251) as u8) ^ ((i / 4096) as u8).wrapping_mul(7) ^ salt).collect()
+    (0..len)
+        .map(|i| ((i % 251) as u8) ^ ((i / 4096) as u8).wrapping_mul(7) ^ salt)
+        .collect()
 }
 
 fn op_count(stats: &serde_json::Value, op: &str) -> u64 {
@@ -494,11 +565,14 @@ on_both_transports!(
     append_and_truncate,
     stats_report_ops,
     unmount_with_requests_in_flight,
+    lazy_unmount_with_open_file,
     sigterm_under_load,
 );
 
 fn small_files_round_trip(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("small_files_round_trip", transport, &[]) else { return };
+    let Some(m) = Mounted::start_or_skip("small_files_round_trip", transport, &[]) else {
+        return;
+    };
     let root = fs::metadata(&m.mnt).expect("stat the root");
     assert!(root.is_dir());
 
@@ -511,10 +585,14 @@ fn small_files_round_trip(transport: &str) {
     // A second open sees what the first one wrote, while the first is still open.
     let b = m.path("b.txt");
     let mut first = File::create(&b).expect("create b");
-    first.write_all(b"written by the first open").expect("write b");
+    first
+        .write_all(b"written by the first open")
+        .expect("write b");
     let mut second = File::open(&b).expect("second open");
     let mut seen = String::new();
-    second.read_to_string(&mut seen).expect("read via the second open");
+    second
+        .read_to_string(&mut seen)
+        .expect("read via the second open");
     assert_eq!(seen, "written by the first open");
     // And an overwrite in place through the first is visible through the second.
     first.write_all_at(b"WRITTEN", 0).expect("pwrite");
@@ -528,7 +606,10 @@ fn small_files_round_trip(transport: &str) {
     // Empty files exist and have size 0; a missing name is ENOENT.
     File::create(m.path("empty")).expect("create empty");
     assert_eq!(fs::metadata(m.path("empty")).expect("stat empty").len(), 0);
-    assert_eq!(errno_of(fs::metadata(m.path("missing"))), Some(libc::ENOENT));
+    assert_eq!(
+        errno_of(fs::metadata(m.path("missing"))),
+        Some(libc::ENOENT)
+    );
     assert_eq!(errno_of(File::open(m.path("missing"))), Some(libc::ENOENT));
     // O_EXCL on an existing name is EEXIST.
     let excl = OpenOptions::new().write(true).create_new(true).open(&a);
@@ -536,7 +617,9 @@ fn small_files_round_trip(transport: &str) {
 }
 
 fn large_file_with_pattern(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("large_file_with_pattern", transport, &[]) else { return };
+    let Some(m) = Mounted::start_or_skip("large_file_with_pattern", transport, &[]) else {
+        return;
+    };
     const LEN: usize = 3 * 1024 * 1024;
     let data = pattern(LEN, 0x5a);
     let p = m.path("big.bin");
@@ -563,11 +646,17 @@ fn large_file_with_pattern(transport: &str) {
     }
     // Reading past the end returns nothing.
     let mut buf = [0u8; 16];
-    assert_eq!(f.read_at(&mut buf, LEN as u64 + 100).expect("pread past EOF"), 0);
+    assert_eq!(
+        f.read_at(&mut buf, LEN as u64 + 100)
+            .expect("pread past EOF"),
+        0
+    );
 }
 
 fn readdir_unlink_rename(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("readdir_unlink_rename", transport, &[]) else { return };
+    let Some(m) = Mounted::start_or_skip("readdir_unlink_rename", transport, &[]) else {
+        return;
+    };
     let names: Vec<String> = (0..40).map(|i| format!("file-{i:02}")).collect();
     for (i, n) in names.iter().enumerate() {
         fs::write(m.path(n), format!("content {i}")).expect("create");
@@ -576,30 +665,51 @@ fn readdir_unlink_rename(transport: &str) {
 
     // unlink
     fs::remove_file(m.path("file-07")).expect("unlink");
-    assert_eq!(errno_of(fs::metadata(m.path("file-07"))), Some(libc::ENOENT));
-    assert_eq!(errno_of(fs::remove_file(m.path("file-07"))), Some(libc::ENOENT));
+    assert_eq!(
+        errno_of(fs::metadata(m.path("file-07"))),
+        Some(libc::ENOENT)
+    );
+    assert_eq!(
+        errno_of(fs::remove_file(m.path("file-07"))),
+        Some(libc::ENOENT)
+    );
     let listed = sorted_names(&m.mnt);
     assert_eq!(listed.len(), 39);
     assert!(!listed.iter().any(|n| n == "file-07"));
 
     // rename to a new name
     fs::rename(m.path("file-01"), m.path("renamed")).expect("rename");
-    assert_eq!(errno_of(fs::metadata(m.path("file-01"))), Some(libc::ENOENT));
-    assert_eq!(fs::read_to_string(m.path("renamed")).expect("read renamed"), "content 1");
+    assert_eq!(
+        errno_of(fs::metadata(m.path("file-01"))),
+        Some(libc::ENOENT)
+    );
+    assert_eq!(
+        fs::read_to_string(m.path("renamed")).expect("read renamed"),
+        "content 1"
+    );
 
     // rename over an existing file replaces it
     fs::rename(m.path("file-02"), m.path("file-03")).expect("rename over existing");
-    assert_eq!(fs::read_to_string(m.path("file-03")).expect("read target"), "content 2");
-    assert_eq!(errno_of(fs::metadata(m.path("file-02"))), Some(libc::ENOENT));
+    assert_eq!(
+        fs::read_to_string(m.path("file-03")).expect("read target"),
+        "content 2"
+    );
+    assert_eq!(
+        errno_of(fs::metadata(m.path("file-02"))),
+        Some(libc::ENOENT)
+    );
     let listed = sorted_names(&m.mnt);
-    assert_eq!(listed.len(), 37, "{listed:?}");
+    assert_eq!(listed.len(), 38, "{listed:?}");
     assert!(listed.contains(&"renamed".to_string()));
     assert!(!listed.iter().any(|n| n == "file-01" || n == "file-02"));
 
     // rename into a directory
     fs::create_dir(m.path("sub")).expect("mkdir");
     fs::rename(m.path("file-04"), m.path("sub/moved")).expect("rename into dir");
-    assert_eq!(fs::read_to_string(m.path("sub/moved")).expect("read moved"), "content 4");
+    assert_eq!(
+        fs::read_to_string(m.path("sub/moved")).expect("read moved"),
+        "content 4"
+    );
     assert_eq!(sorted_names(&m.path("sub")), vec!["moved".to_string()]);
 
     // an open file survives its unlink
@@ -607,12 +717,15 @@ fn readdir_unlink_rename(transport: &str) {
     let f = File::open(&p).expect("open");
     fs::remove_file(&p).expect("unlink open file");
     let mut s = String::new();
-    (&f).read_to_string(&mut s).expect("read unlinked open file");
+    (&f).read_to_string(&mut s)
+        .expect("read unlinked open file");
     assert_eq!(s, "content 5");
 }
 
 fn directories(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("directories", transport, &[]) else { return };
+    let Some(m) = Mounted::start_or_skip("directories", transport, &[]) else {
+        return;
+    };
     let d = m.path("dir");
     fs::create_dir(&d).expect("mkdir");
     assert!(fs::metadata(&d).expect("stat dir").is_dir());
@@ -629,29 +742,52 @@ fn directories(transport: &str) {
     // Nested directories, and rmdir of a file / unlink of a directory are refused.
     fs::create_dir_all(m.path("a/b/c")).expect("mkdir -p");
     fs::write(m.path("a/b/c/leaf"), b"leaf").expect("create nested");
-    assert_eq!(fs::read(m.path("a/b/c/leaf")).expect("read nested"), b"leaf");
-    assert_eq!(errno_of(fs::remove_dir(m.path("a/b/c/leaf"))), Some(libc::ENOTDIR));
+    assert_eq!(
+        fs::read(m.path("a/b/c/leaf")).expect("read nested"),
+        b"leaf"
+    );
+    assert_eq!(
+        errno_of(fs::remove_dir(m.path("a/b/c/leaf"))),
+        Some(libc::ENOTDIR)
+    );
     let unlink_dir = errno_of(fs::remove_file(m.path("a/b")));
-    assert!(matches!(unlink_dir, Some(libc::EISDIR) | Some(libc::EPERM)), "{unlink_dir:?}");
+    assert!(
+        matches!(unlink_dir, Some(libc::EISDIR) | Some(libc::EPERM)),
+        "{unlink_dir:?}"
+    );
     assert_eq!(errno_of(fs::remove_dir(m.path("a"))), Some(libc::ENOTEMPTY));
     fs::rename(m.path("a/b"), m.path("b2")).expect("rename a directory");
-    assert_eq!(fs::read(m.path("b2/c/leaf")).expect("read after dir rename"), b"leaf");
-    assert_eq!(sorted_names(&m.mnt), vec!["a".to_string(), "b2".to_string()]);
+    assert_eq!(
+        fs::read(m.path("b2/c/leaf")).expect("read after dir rename"),
+        b"leaf"
+    );
+    assert_eq!(
+        sorted_names(&m.mnt),
+        vec!["a".to_string(), "b2".to_string()]
+    );
     fs::remove_dir(m.path("a")).expect("rmdir emptied dir");
 }
 
 fn append_and_truncate(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("append_and_truncate", transport, &[]) else { return };
+    let Some(m) = Mounted::start_or_skip("append_and_truncate", transport, &[]) else {
+        return;
+    };
     let p = m.path("log");
     fs::write(&p, b"first").expect("create");
     for part in [&b"+second"[..], b"+third"] {
-        let mut f = OpenOptions::new().append(true).open(&p).expect("open O_APPEND");
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .expect("open O_APPEND");
         f.write_all(part).expect("append");
     }
     assert_eq!(fs::read(&p).expect("read"), b"first+second+third");
     // O_APPEND writes go to the end even after a seek to 0.
     {
-        let mut f = OpenOptions::new().append(true).open(&p).expect("open O_APPEND");
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .expect("open O_APPEND");
         use std::io::Seek as _;
         f.seek(io::SeekFrom::Start(0)).expect("seek");
         f.write_all(b"!").expect("append after seek");
@@ -668,14 +804,22 @@ fn append_and_truncate(transport: &str) {
     assert_eq!(fs::metadata(&p).expect("stat").len(), 8195);
     let back = fs::read(&p).expect("read");
     assert_eq!(&back[..5], b"first");
-    assert!(back[5..].iter().all(|&b| b == 0), "bytes past the old end must read as zeros");
+    assert!(
+        back[5..].iter().all(|&b| b == 0),
+        "bytes past the old end must read as zeros"
+    );
 
     // truncate(2) by path, down into the middle of a page with data after it
     let q = m.path("q");
     fs::write(&q, pattern(10_000, 1)).expect("create q");
     let c = std::ffi::CString::new(q.as_os_str().as_encoded_bytes()).expect("path");
     // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
-    assert_eq!(unsafe { libc::truncate(c.as_ptr(), 4100) }, 0, "{}", io::Error::last_os_error());
+    assert_eq!(
+        unsafe { libc::truncate(c.as_ptr(), 4100) },
+        0,
+        "{}",
+        io::Error::last_os_error()
+    );
     assert_eq!(fs::read(&q).expect("read q"), pattern(10_000, 1)[..4100]);
 
     File::create(&p).expect("O_TRUNC open");
@@ -685,7 +829,9 @@ fn append_and_truncate(transport: &str) {
 
 fn stats_report_ops(transport: &str) {
     let timeouts = ["--perf", "--attr-timeout", "0", "--entry-timeout", "0"];
-    let Some(m) = Mounted::start_or_skip("stats_report_ops", transport, &timeouts) else { return };
+    let Some(m) = Mounted::start_or_skip("stats_report_ops", transport, &timeouts) else {
+        return;
+    };
     for i in 0..5 {
         let p = m.path(&format!("s{i}"));
         fs::write(&p, vec![b'z'; 5000]).expect("write");
@@ -698,52 +844,151 @@ fn stats_report_ops(transport: &str) {
     let lookups = op_count(&stats, "LOOKUP");
     let getattrs = op_count(&stats, "GETATTR") + op_count(&stats, "STATX");
     let writes = op_count(&stats, "WRITE");
-    assert!(lookups > 0 && getattrs > 0 && writes > 0, "LOOKUP {lookups} GETATTR/STATX {getattrs} WRITE {writes}: {stats}");
+    assert!(
+        lookups > 0 && getattrs > 0 && writes > 0,
+        "LOOKUP {lookups} GETATTR/STATX {getattrs} WRITE {writes}: {stats}"
+    );
     for op in stats["ops"].as_array().expect("ops") {
         if op["count"].as_u64().unwrap_or(0) > 0 {
             for key in ["p50_us", "p99_us", "max_us"] {
-                assert!(op[key].is_number(), "with --perf, {key} of {} must be a number: {op}", op["op"]);
+                assert!(
+                    op[key].is_number(),
+                    "with --perf, {key} of {} must be a number: {op}",
+                    op["op"]
+                );
             }
         }
     }
-    let per_core = stats["requests_per_core"].as_array().expect("requests_per_core");
+    let per_core = stats["requests_per_core"]
+        .as_array()
+        .expect("requests_per_core");
     let total: u64 = per_core.iter().filter_map(|v| v.as_u64()).sum();
-    assert!(total >= lookups + writes, "requests_per_core sums to {total}: {stats}");
+    assert!(
+        total >= lookups + writes,
+        "requests_per_core sums to {total}: {stats}"
+    );
 
     // The text form works too.
-    let (out, _) = run_bounded(Command::new(ETCFS).arg("stats").arg(&m.mnt), Duration::from_secs(10));
+    let (out, _) = run_bounded(
+        Command::new(ETCFS).arg("stats").arg(&m.mnt),
+        Duration::from_secs(10),
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("LOOKUP"), "etcfs stats (text): {text}");
+    assert!(
+        out.status.success() && text.contains("LOOKUP"),
+        "etcfs stats (text): {text}"
+    );
 }
 
 fn unmount_with_requests_in_flight(transport: &str) {
-    let Some(mut m) = Mounted::start_or_skip("unmount_with_requests_in_flight", transport, &[]) else {
+    let Some(mut m) = Mounted::start_or_skip("unmount_with_requests_in_flight", transport, &[])
+    else {
         return;
     };
     let load = Load::start(&m);
-    load.wait_ops(300);
+    load.wait_ops(2000);
     let out = lazy_umount(&m.mnt);
-    assert!(out.status.success(), "umount -l: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "umount -l: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The daemon must notice while the load keeps knocking on the (now bare) path.
     let status = m.expect_exit("umount -l");
-    assert!(status.success(), "the daemon exited with {status} after umount:\n{}", m.log_text());
-    assert!(!is_mounted(&m.mnt), "still in mountinfo after the daemon exited");
+    assert!(
+        status.success(),
+        "the daemon exited with {status} after umount:\n{}",
+        m.log_text()
+    );
+    assert!(
+        !is_mounted(&m.mnt),
+        "still in mountinfo after the daemon exited"
+    );
     let (ops, errors) = load.stop_and_join();
     assert!(ops > 0);
-    loud(&format!("{transport}::unmount_with_requests_in_flight: {ops} ops, {errors} failed"));
+    loud(&format!(
+        "{transport}::unmount_with_requests_in_flight: {ops} ops, {errors} failed"
+    ));
 }
 
 fn sigterm_under_load(transport: &str) {
-    let Some(mut m) = Mounted::start_or_skip("sigterm_under_load", transport, &[]) else { return };
+    let Some(mut m) = Mounted::start_or_skip("sigterm_under_load", transport, &[]) else {
+        return;
+    };
     let load = Load::start(&m);
-    load.wait_ops(300);
+    // One more thread keeps a file open across the shutdown, so the daemon cannot unmount
+    // cleanly and must still leave no caller hanging.
+    let held = File::open(m.path("load0")).expect("open a file to hold");
+    let stop_held = load.stop.clone();
+    let held_ops = Arc::new(AtomicU64::new(0));
+    let held_count = held_ops.clone();
+    let holder = thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while !stop_held.load(Ordering::Relaxed) {
+            if held.read_at(&mut buf, 0).is_err() {
+                thread::sleep(Duration::from_millis(1));
+            }
+            held_count.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    load.wait_ops(2000);
     signal(m.child(), libc::SIGTERM);
     let status = m.expect_exit("SIGTERM");
-    assert!(status.success(), "the daemon exited with {status} after SIGTERM:\n{}", m.log_text());
-    assert!(!is_mounted(&m.mnt), "still in mountinfo after the daemon exited on SIGTERM");
+    assert!(
+        status.success(),
+        "the daemon exited with {status} after SIGTERM:\n{}",
+        m.log_text()
+    );
+    assert!(
+        !is_mounted(&m.mnt),
+        "still in mountinfo after the daemon exited on SIGTERM"
+    );
     let (ops, errors) = load.stop_and_join();
+    let start = Instant::now();
+    while !holder.is_finished() {
+        assert!(
+            start.elapsed() < LOAD_DEADLINE,
+            "a reader of a held-open file hangs after SIGTERM"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    holder.join().expect("holder thread");
+    assert!(held_ops.load(Ordering::SeqCst) > 0);
     assert!(ops > 0);
-    loud(&format!("{transport}::sigterm_under_load: {ops} ops, {errors} failed"));
+    loud(&format!(
+        "{transport}::sigterm_under_load: {ops} ops, {errors} failed"
+    ));
+}
+
+fn lazy_unmount_with_open_file(transport: &str) {
+    let Some(mut m) = Mounted::start_or_skip("lazy_unmount_with_open_file", transport, &[]) else {
+        return;
+    };
+    fs::write(m.path("kept"), b"still readable").expect("create");
+    let f = File::open(m.path("kept")).expect("open");
+    let out = lazy_umount(&m.mnt);
+    assert!(
+        out.status.success(),
+        "umount -l: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!is_mounted(&m.mnt));
+    // Detached but alive: the open file is still served until it is closed.
+    let mut buf = [0u8; 14];
+    f.read_exact_at(&mut buf, 0)
+        .expect("read a file held open across umount -l");
+    assert_eq!(&buf, b"still readable");
+    assert!(
+        matches!(m.child().try_wait(), Ok(None)),
+        "the daemon quit while a file was still open"
+    );
+    drop(f);
+    let status = m.expect_exit("umount -l and closing the last open file");
+    assert!(
+        status.success(),
+        "the daemon exited with {status}:\n{}",
+        m.log_text()
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -767,9 +1012,18 @@ fn mount_on_missing_directory_fails() {
         }
         let (out, in_time) = run_bounded(cmd.arg(&missing), DAEMON_DEADLINE);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(in_time, "etcfs mount on a missing dir hung (foreground={foreground})");
-        assert!(!out.status.success(), "mount on a missing dir succeeded (foreground={foreground})");
-        assert!(stderr.contains("does not exist"), "foreground={foreground}: stderr: {stderr}");
+        assert!(
+            in_time,
+            "etcfs mount on a missing dir hung (foreground={foreground})"
+        );
+        assert!(
+            !out.status.success(),
+            "mount on a missing dir succeeded (foreground={foreground})"
+        );
+        assert!(
+            stderr.contains("does not exist"),
+            "foreground={foreground}: stderr: {stderr}"
+        );
         assert!(!missing.exists());
     }
     let _ = fs::remove_dir_all(&base);
@@ -789,9 +1043,16 @@ fn mount_on_mounted_directory_fails() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(in_time, "a second etcfs mount on a mount point hung");
-    assert!(!out.status.success(), "a second mount on a mount point succeeded");
+    assert!(
+        !out.status.success(),
+        "a second mount on a mount point succeeded"
+    );
     assert!(stderr.contains("already a mount point"), "stderr: {stderr}");
-    assert_eq!(mount_count(&m.mnt), 1, "the failed mount must leave exactly the first mount");
+    assert_eq!(
+        mount_count(&m.mnt),
+        1,
+        "the failed mount must leave exactly the first mount"
+    );
     // The first mount still works.
     fs::write(m.path("still-here"), b"ok").expect("write to the first mount");
     assert_eq!(fs::read(m.path("still-here")).expect("read"), b"ok");
