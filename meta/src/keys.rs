@@ -19,6 +19,8 @@
 //! <p>/M<session:8>             NodeRecord              the session's  Session::register
 //! <p>/G<group:4>               GroupOwner {session}    owner's lease  Session::claim_group
 //! <p>/O<ino:8>                 Orphan {session}        -              unlink-while-open
+//! <p>/F<group:4>               free map (opaque here;  -              mkfs; SetExtents (allocs,
+//!                              src/data/alloc.rs)                     same txn); FreeMaps
 //! ```
 //!
 //! Why this shape:
@@ -57,6 +59,7 @@ mod tag {
     pub(super) const MEMBER: u8 = b'M';
     pub(super) const GROUP: u8 = b'G';
     pub(super) const ORPHAN: u8 = b'O';
+    pub(super) const FREE_MAP: u8 = b'F';
 }
 
 /// The default filesystem prefix.
@@ -96,6 +99,8 @@ pub enum KeyKind {
     Member(SessionId),
     /// `G<group>`
     Group(GroupId),
+    /// `F<group>`.
+    FreeMap(GroupId),
     /// `O<ino>`
     Orphan(Ino),
 }
@@ -284,6 +289,19 @@ impl Keyspace {
         self.range_tag(tag::GROUP)
     }
 
+    /// `F<group>`: an allocation group's free map. Its encoding belongs to the data layer
+    /// (`src/data/alloc.rs`); meta stores it as opaque bytes.
+    pub fn free_map(&self, group: GroupId) -> Vec<u8> {
+        let mut k = self.key(tag::FREE_MAP, 4);
+        k.extend_from_slice(&group.0.to_be_bytes());
+        k
+    }
+
+    /// All free maps.
+    pub fn free_maps(&self) -> KeyRange {
+        self.range_tag(tag::FREE_MAP)
+    }
+
     /// `O<ino>`: an unlinked-but-open inode.
     pub fn orphan(&self, ino: Ino) -> Vec<u8> {
         self.key_u64(tag::ORPHAN, ino.0)
@@ -324,6 +342,7 @@ impl Keyspace {
                 KeyKind::Extent(Ino(u64_at(i)?), u64_at(o)?)
             }
             tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
+            tag::FREE_MAP => KeyKind::FreeMap(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             _ => return None,
         })
     }
@@ -343,6 +362,7 @@ impl Keyspace {
             Some(KeyKind::Extent(i, o)) => format!("{p}E {i} @{o}"),
             Some(KeyKind::Member(s)) => format!("{p}M {s}"),
             Some(KeyKind::Group(g)) => format!("{p}G {}", g.0),
+            Some(KeyKind::FreeMap(g)) => format!("{p}F {}", g.0),
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
             None => escape(key),
         }
@@ -428,6 +448,7 @@ mod tests {
             (k.extent(Ino(3), 4096), KeyKind::Extent(Ino(3), 4096)),
             (k.member(SessionId(5)), KeyKind::Member(SessionId(5))),
             (k.group(GroupId(2)), KeyKind::Group(GroupId(2))),
+            (k.free_map(GroupId(3)), KeyKind::FreeMap(GroupId(3))),
             (k.orphan(Ino(4)), KeyKind::Orphan(Ino(4))),
         ];
         for (key, kind) in cases {

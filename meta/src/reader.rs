@@ -191,6 +191,20 @@ pub async fn extents(
     Ok((out, r.more))
 }
 
+/// Reads a directory's parent (None if `dir` has no parent record).
+pub async fn dir_parent(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    dir: Ino,
+) -> Result<Option<Ino>, MetaError> {
+    let key = keys.dir_parent(dir);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    r.kvs
+        .first()
+        .map(|item| decode_at::<crate::codec::DirParent>(keys, &key, &item.value).map(|p| p.parent))
+        .transpose()
+}
+
 /// Reads a symlink's target.
 pub async fn readlink(
     kv: &dyn KvBackend,

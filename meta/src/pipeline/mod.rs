@@ -34,6 +34,7 @@ use crate::{
     keys::Keyspace,
     kv::{BoxFut, KvBackend, ETCD_REQUEST_BYTES_MAX, ETCD_TXN_OPS_MAX},
     reader::{self, DirNames, DirPage},
+    session::{Session, SessionConfig},
     types::{Ino, Revision, SessionId},
 };
 
@@ -212,6 +213,12 @@ impl Stats {
 
 pub use self::commit_types::Connect;
 
+/// Where the pipeline's session id comes from.
+enum SessionSource {
+    Fixed(SessionId),
+    Register(SessionConfig),
+}
+
 mod commit_types {
     use super::*;
     /// A factory for the backend, run on the pipeline's runtime (etcd-client's channels
@@ -264,6 +271,38 @@ impl Pipeline {
         clock: Arc<dyn Clock>,
         cfg: Config,
     ) -> Result<Pipeline, MetaError> {
+        Self::start_inner(connect, keys, SessionSource::Fixed(session), clock, cfg).map(|(p, _)| p)
+    }
+
+    /// Like [`Pipeline::start`], but first registers a node [`Session`] on the pipeline's
+    /// runtime (so its keepalive runs there) and plans with that session's id. The
+    /// filesystem uses this: orphan records and group fences need the session id before
+    /// the first mutation.
+    pub fn start_with_session(
+        connect: Connect,
+        keys: Keyspace,
+        session_cfg: SessionConfig,
+        clock: Arc<dyn Clock>,
+        cfg: Config,
+    ) -> Result<(Pipeline, Session), MetaError> {
+        let (p, s) = Self::start_inner(
+            connect,
+            keys,
+            SessionSource::Register(session_cfg),
+            clock,
+            cfg,
+        )?;
+        let s = s.ok_or(MetaError::Unavailable("session was not registered".into()))?;
+        Ok((p, s))
+    }
+
+    fn start_inner(
+        connect: Connect,
+        keys: Keyspace,
+        session: SessionSource,
+        clock: Arc<dyn Clock>,
+        cfg: Config,
+    ) -> Result<(Pipeline, Option<Session>), MetaError> {
         assert!(cfg.batch_ops_max >= 1 && cfg.batch_ops_max <= ETCD_TXN_OPS_MAX);
         assert!(cfg.txn_bytes_max <= ETCD_REQUEST_BYTES_MAX);
         assert!(cfg.txns_in_flight_max >= 1 && cfg.pending_max >= 1 && cfg.ino_batch >= 1);
@@ -292,13 +331,31 @@ impl Pipeline {
                         return;
                     }
                 };
+                let (id, registered) = match session {
+                    SessionSource::Fixed(id) => (id, None),
+                    SessionSource::Register(scfg) => {
+                        let reg = rt.block_on(Session::register(
+                            backend.clone(),
+                            k2.clone(),
+                            &scfg,
+                            &*clock,
+                        ));
+                        match reg {
+                            Ok(s) => (s.id(), Some(s)),
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(e));
+                                return;
+                            }
+                        }
+                    }
+                };
                 let committer =
-                    commit::Committer::new(backend.clone(), k2, clock, session, c2, s2, rx, n2);
-                let _ = ready_tx.send(Ok((rt.handle().clone(), backend)));
+                    commit::Committer::new(backend.clone(), k2, clock, id, c2, s2, rx, n2);
+                let _ = ready_tx.send(Ok((rt.handle().clone(), backend, registered)));
                 rt.block_on(committer.run());
             })
             .map_err(|e| MetaError::Unavailable(format!("spawn pipeline thread: {e}")))?;
-        let (runtime, backend) = ready_rx
+        let (runtime, backend, registered) = ready_rx
             .recv()
             .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))??;
         let client = MetaClient {
@@ -311,12 +368,15 @@ impl Pipeline {
             reads_queued: Arc::new(AtomicU64::new(0)),
             reads_queued_max: cfg.reads_queued_max as u64,
         };
-        Ok(Pipeline {
-            client: Some(client),
-            thread: Some(thread),
-            runtime,
-            backend,
-        })
+        Ok((
+            Pipeline {
+                client: Some(client),
+                thread: Some(thread),
+                runtime,
+                backend,
+            },
+            registered,
+        ))
     }
 
     /// A submitter handle.
@@ -491,6 +551,13 @@ impl MetaClient {
     ) -> Result<Ticket<(Vec<Extent>, bool)>, MetaError> {
         self.read(move |kv, keys| {
             Box::pin(async move { reader::extents(&*kv, &keys, ino, from, limit).await })
+        })
+    }
+
+    /// Reads a directory's parent (`P<dir>`; the root is its own parent).
+    pub fn dir_parent(&self, dir: Ino) -> Result<Ticket<Option<Ino>>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::dir_parent(&*kv, &keys, dir).await })
         })
     }
 

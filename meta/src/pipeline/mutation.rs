@@ -2,7 +2,7 @@
 
 use crate::{
     codec::InodeAttr,
-    types::{FileType, Ino, Revision, Timespec},
+    types::{FileType, GroupId, Ino, Revision, Timespec},
 };
 
 /// Attributes of an inode being created (times are set to the commit-planning time).
@@ -176,6 +176,17 @@ pub enum Mutation {
         size_at_least: Option<u64>,
         /// Set mtime and ctime to now (a data write).
         touch_mtime: bool,
+        /// Free maps (`F<group>`, opaque encoded bytes) of the groups the new extents were
+        /// allocated from, written in the same transaction so an allocation is never
+        /// committed without its free-map change (and vice versa). Each is fenced on this
+        /// session owning the group.
+        free_maps: Vec<(GroupId, Vec<u8>)>,
+    },
+    /// Persist free maps of groups this session owns (after a commit freed blocks in
+    /// them). Fenced on ownership like `SetExtents::free_maps`.
+    FreeMaps {
+        /// `(group, encoded map)`.
+        maps: Vec<(GroupId, Vec<u8>)>,
     },
     /// Delete an orphan inode (last close, or reclaim after its session died).
     ReclaimOrphan {
@@ -216,6 +227,7 @@ impl Mutation {
             Mutation::SetXattr { .. } => "setxattr",
             Mutation::RemoveXattr { .. } => "removexattr",
             Mutation::SetExtents { .. } => "set_extents",
+            Mutation::FreeMaps { .. } => "free_maps",
             Mutation::ReclaimOrphan { .. } => "reclaim_orphan",
             Mutation::Touch { .. } => "touch",
             Mutation::ReserveInos { .. } => "reserve_inos",

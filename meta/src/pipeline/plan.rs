@@ -381,6 +381,7 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             extents,
             size_at_least,
             touch_mtime,
+            free_maps,
         } => plan_extents(
             &mut p,
             *ino,
@@ -389,7 +390,12 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             extents,
             *size_at_least,
             *touch_mtime,
-        ),
+        )
+        .map(|()| plan_free_maps(&mut p, free_maps)),
+        Mutation::FreeMaps { maps } => {
+            plan_free_maps(&mut p, maps);
+            Ok(())
+        }
         Mutation::ReclaimOrphan { ino } => plan_reclaim(&mut p, *ino),
         Mutation::Touch { ino, mtime, ctime } => plan_touch(&mut p, *ino, *mtime, *ctime),
         Mutation::ReserveInos { count } => plan_reserve(&mut p, *count),
@@ -1031,6 +1037,26 @@ fn plan_extents(
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(attr);
     Ok(())
+}
+
+/// Writes free maps, each fenced on this session owning the group (a node whose lease
+/// expired must not publish allocations from a group someone else may now own).
+fn plan_free_maps(p: &mut P<'_>, maps: &[(crate::types::GroupId, Vec<u8>)]) {
+    let k = p.keys();
+    for (g, bytes) in maps {
+        p.compare(Compare {
+            key: k.group(*g),
+            range_end: None,
+            op: crate::kv::CompareOp::Equal,
+            target: crate::kv::CompareTarget::Value(
+                Owner {
+                    session: p.ctx.session,
+                }
+                .encode(),
+            ),
+        });
+        p.plan.ops.push(TxnOp::put(k.free_map(*g), bytes.clone()));
+    }
 }
 
 fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {

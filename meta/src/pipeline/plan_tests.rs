@@ -178,6 +178,7 @@ impl World {
             unwritten: false,
         };
         let m = Mutation::SetExtents {
+            free_maps: Vec::new(),
             ino,
             off,
             len,
@@ -649,6 +650,7 @@ async fn extents_split_punch_and_convert() {
         unwritten: true,
     };
     let m = Mutation::SetExtents {
+        free_maps: Vec::new(),
         ino: f,
         off: 0,
         len: 16384,
@@ -664,6 +666,7 @@ async fn extents_split_punch_and_convert() {
         unwritten: false,
     };
     let m = Mutation::SetExtents {
+        free_maps: Vec::new(),
         ino: f,
         off: 4096,
         len: 4096,
@@ -701,6 +704,7 @@ async fn extents_split_punch_and_convert() {
     );
     // Punch 2K..10K: trims the head, drops the middle, trims the tail.
     let m = Mutation::SetExtents {
+        free_maps: Vec::new(),
         ino: f,
         off: 2048,
         len: 8192,
@@ -735,6 +739,7 @@ async fn extents_split_punch_and_convert() {
     );
     // A concurrent extent write between plan and commit is caught.
     let m = Mutation::SetExtents {
+        free_maps: Vec::new(),
         ino: f,
         off: 2048,
         len: 8192,

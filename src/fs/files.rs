@@ -1,0 +1,254 @@
+//! Open regular files: per inode, the attributes this node last committed, the cached
+//! extent map, the open count and the orphan flag.
+//!
+//! The extent map is cached for as long as the file is open here, which is what lets READ
+//! and WRITE skip etcd. Today only this node changes a file it has open (the cluster
+//! issue adds the locks); [`Files::forget_extents`] is the hook a watch or a lock
+//! revocation calls to drop a map that another node changed.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+};
+
+use fusedev::errno::Errno;
+use meta::{codec::InodeAttr, types::Timespec};
+
+use crate::data::plan::FileExtent;
+
+/// Regular files open on this node at once (ENFILE past it).
+pub(crate) const OPEN_FILES_MAX: usize = 1 << 20;
+/// Extents cached per open file; a file with more is read range by range.
+pub(crate) const EXTENTS_CACHED_MAX: usize = 16384;
+
+/// The mutable state of one open file. Held across a write's device I/O and commit, so
+/// writes and truncates of one file are serialized (the kernel serializes them too).
+#[derive(Debug)]
+pub(crate) struct FileInner {
+    pub(crate) attr: InodeAttr,
+    /// The whole map, sorted; `None` until loaded (or when dropped by invalidation).
+    pub(crate) extents: Option<Vec<FileExtent>>,
+    /// The map has more than [`EXTENTS_CACHED_MAX`] extents: do not try to cache it.
+    pub(crate) map_too_big: bool,
+    /// Unlinked while open: the last close deletes it.
+    pub(crate) orphaned: bool,
+    /// mtime of in-place overwrites not yet written to etcd.
+    pub(crate) mtime_dirty: Option<Timespec>,
+}
+
+#[derive(Debug)]
+pub(crate) struct FileState {
+    pub(crate) ino: u64,
+    inner: Mutex<FileInner>,
+}
+
+impl FileState {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, FileInner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, FileInner>> {
+        self.inner.try_lock().ok()
+    }
+}
+
+/// The table of open files.
+#[derive(Debug, Default)]
+pub(crate) struct Files {
+    map: Mutex<HashMap<u64, (u32, Arc<FileState>)>>,
+}
+
+impl Files {
+    fn table(&self) -> MutexGuard<'_, HashMap<u64, (u32, Arc<FileState>)>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts one more open of `ino` (adding it with `attr` when it was not open).
+    pub(crate) fn open(&self, ino: u64, attr: InodeAttr) -> Result<Arc<FileState>, Errno> {
+        let mut t = self.table();
+        if let Some((n, st)) = t.get_mut(&ino) {
+            *n += 1;
+            return Ok(st.clone());
+        }
+        if t.len() >= OPEN_FILES_MAX {
+            return Err(Errno::ENFILE);
+        }
+        let st = Arc::new(FileState {
+            ino,
+            inner: Mutex::new(FileInner {
+                attr,
+                extents: None,
+                map_too_big: false,
+                orphaned: false,
+                mtime_dirty: None,
+            }),
+        });
+        t.insert(ino, (1, st.clone()));
+        Ok(st)
+    }
+
+    /// Counts one close; returns the state when it was the last.
+    pub(crate) fn close(&self, ino: u64) -> Option<Arc<FileState>> {
+        let mut t = self.table();
+        let (n, _) = t.get_mut(&ino)?;
+        *n -= 1;
+        if *n == 0 {
+            return t.remove(&ino).map(|(_, st)| st);
+        }
+        None
+    }
+
+    pub(crate) fn get(&self, ino: u64) -> Option<Arc<FileState>> {
+        self.table().get(&ino).map(|(_, st)| st.clone())
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.table().is_empty()
+    }
+
+    pub(crate) fn all(&self) -> Vec<u64> {
+        self.table().keys().copied().collect()
+    }
+
+    /// The cached attributes and allocated 512-byte blocks of an open file, without
+    /// waiting (None when not open or busy: the caller reads etcd instead).
+    pub(crate) fn cached_attr(&self, ino: u64) -> Option<(InodeAttr, Option<u64>)> {
+        let st = self.get(ino)?;
+        let f = st.try_lock()?;
+        let mut attr = f.attr.clone();
+        if let Some(t) = f.mtime_dirty {
+            attr.mtime = t;
+            attr.ctime = t;
+        }
+        let blocks = f
+            .extents
+            .as_ref()
+            .map(|m| m.iter().map(|e| e.len / 512).sum());
+        Some((attr, blocks))
+    }
+
+    pub(crate) fn update_attr(&self, ino: u64, attr: &InodeAttr) {
+        if let Some(st) = self.get(ino) {
+            st.lock().attr = attr.clone();
+        }
+    }
+
+    /// Marks an open file orphaned; false when it is not open here.
+    pub(crate) fn mark_orphaned(&self, ino: u64) -> bool {
+        match self.get(ino) {
+            Some(st) => {
+                st.lock().orphaned = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops a cached map (the inode was deleted, or another node changed it).
+    pub(crate) fn forget_extents(&self, ino: u64) {
+        if let Some(st) = self.get(ino) {
+            let mut f = st.lock();
+            f.extents = None;
+            f.map_too_big = false;
+        }
+    }
+
+    /// Whether FLUSH has an mtime to write (true when busy, to be safe).
+    pub(crate) fn has_dirty_mtime(&self, ino: u64) -> bool {
+        match self.get(ino) {
+            Some(st) => st.try_lock().is_none_or(|f| f.mtime_dirty.is_some()),
+            None => false,
+        }
+    }
+}
+
+/// The extents of a sorted map that overlap `[off, off + len)`.
+pub(crate) fn overlapping(map: &[FileExtent], off: u64, len: u64) -> &[FileExtent] {
+    let end = off.saturating_add(len);
+    let a = map.partition_point(|e| e.file_off + e.len <= off);
+    let b = map.partition_point(|e| e.file_off < end);
+    map.get(a..b.max(a)).unwrap_or_default()
+}
+
+/// Drops the mapping at and past `end` (block-aligned).
+pub(crate) fn trim_extents(map: &mut Vec<FileExtent>, end: u64) {
+    map.retain(|e| e.file_off < end);
+    if let Some(l) = map.last_mut() {
+        if l.file_off + l.len > end {
+            l.len = end - l.file_off;
+        }
+    }
+}
+
+/// Replaces the mapping of `[off, off + len)` with `new` (sorted, inside the range),
+/// cutting extents that straddle its edges.
+pub(crate) fn replace_range(map: &mut Vec<FileExtent>, off: u64, len: u64, new: &[FileExtent]) {
+    let end = off + len;
+    let mut out = Vec::with_capacity(map.len() + new.len() + 1);
+    for e in map.iter() {
+        let e_end = e.file_off + e.len;
+        if e_end <= off || e.file_off >= end {
+            out.push(*e);
+            continue;
+        }
+        if e.file_off < off {
+            out.push(FileExtent {
+                len: off - e.file_off,
+                ..*e
+            });
+        }
+        if e_end > end {
+            let cut = end - e.file_off;
+            out.push(FileExtent {
+                file_off: end,
+                len: e.len - cut,
+                dev_off: e.dev_off + cut,
+                unwritten: e.unwritten,
+            });
+        }
+    }
+    out.extend_from_slice(new);
+    out.sort_by_key(|e| e.file_off);
+    *map = out;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: u64 = 4096;
+
+    fn ext(f: u64, n: u64, d: u64) -> FileExtent {
+        FileExtent {
+            file_off: f * B,
+            len: n * B,
+            dev_off: d * B,
+            unwritten: false,
+        }
+    }
+
+    #[test]
+    fn overlapping_trim_replace() {
+        let map = vec![ext(0, 2, 10), ext(4, 4, 20), ext(10, 1, 30)];
+        assert_eq!(overlapping(&map, 2 * B, 2 * B), &[] as &[FileExtent]);
+        assert_eq!(overlapping(&map, B, 4 * B), &map[..2]);
+        assert_eq!(overlapping(&map, 11 * B, B), &[] as &[FileExtent]);
+
+        let mut m = map.clone();
+        trim_extents(&mut m, 6 * B);
+        assert_eq!(m, vec![ext(0, 2, 10), ext(4, 2, 20)]);
+
+        let mut m = map.clone();
+        replace_range(&mut m, 5 * B, 2 * B, &[ext(5, 1, 99)]);
+        assert_eq!(
+            m,
+            vec![
+                ext(0, 2, 10),
+                ext(4, 1, 20),
+                ext(5, 1, 99),
+                ext(7, 1, 23),
+                ext(10, 1, 30)
+            ]
+        );
+    }
+}

@@ -1,0 +1,2399 @@
+//! `fs`: the etcd-backed filesystem, a [`fusedev::server::Handler`].
+//!
+//! Metadata lives in etcd and changes only through `meta`'s pipeline; file data lives on
+//! the shared device (`crate::data`). This module glues the two behind FUSE.
+//!
+//! How a request is served:
+//! * Requests that need nothing from etcd are answered on the core: READ of an open file
+//!   whose extent map is cached (a [`ReadPlan`] the transport executes on the core's
+//!   io_uring), GETATTR of an open file, FORGET, and the ENOSYS ones.
+//! * Everything else is handed to a small pool of "waiter" threads ([`pool`]): the core
+//!   takes a [`DeferredReply`](fusedev::server::DeferredReply), the waiter runs the
+//!   operation synchronously (submitting mutations and waiting for their tickets, reading
+//!   metadata), and completes the reply from its thread. A core therefore never blocks on
+//!   etcd, and the pipeline sees every concurrent operation at once to group them. When the
+//!   context cannot defer (tests, the sideband reader), the operation runs inline.
+//!
+//! State kept per node (all bounded, see the limits below):
+//! * open regular files ([`files`]): the inode's attributes as this node last committed
+//!   them, its extent map, the open count, whether it was unlinked while open (orphan);
+//! * open directory handles: readdir cookie → name, to resume listings;
+//! * the block allocator of the groups this node owns.
+//!
+//! Nothing another node needs lives only here: attributes and extents are committed
+//! before a reply claims them, except the mtime of in-place overwrites, which is written
+//! at FLUSH/FSYNC/RELEASE (as a page-cache filesystem writes it at writeback).
+//!
+//! Kernel references (LOOKUP counts) need no table: inode numbers are never reused and
+//! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
+//! unlinked file alive is the open count, through an orphan record in etcd.
+
+mod errno;
+mod files;
+mod pool;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    os::fd::{AsRawFd, RawFd},
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard, PoisonError,
+    },
+    time::{Duration, SystemTime},
+};
+
+use anyhow::{anyhow, bail, Context as _};
+use fusedev::{
+    abi::{
+        self, Attr, AttrOut, EntryOut, Immutable, IntoBytes, Kstatfs, OpenOut, SetattrIn,
+        FUSE_ROOT_ID, NAME_MAX,
+    },
+    errno::Errno,
+    reply::{self, dirent_type, DirentWriter},
+    request::{Operation, Request},
+    server::{Handler, ReadPlan, Reply, RequestCtx, Segment},
+};
+use meta::{
+    clock::{Clock, SystemClock},
+    codec::InodeAttr,
+    error::MetaError,
+    keys::Keyspace,
+    kv::{KvBackend, RangeRequest},
+    pipeline::{
+        Config as PipelineConfig, Connect, MetaClient, Mutation, NewInode, Outcome, Pipeline,
+        RenameMode, SetAttr, TimeSet, XattrMode,
+    },
+    session::{Session, SessionConfig},
+    types::{FileType, GroupId, Ino, Timespec, XATTR_NAME_LEN_MAX, XATTR_VALUE_LEN_MAX},
+};
+use uring::AlignedBuf;
+
+use self::{
+    files::{FileState, Files},
+    pool::Pool,
+};
+use crate::data::{
+    alloc::{AgFreeMap, AllocError, Allocator},
+    device::{mem::MemDev, open_device, psync::PsyncDev, BlockDev, DevFile, OpenOpts},
+    mkfs as dmkfs,
+    plan::{self as dplan, FileExtent, ReadSpan, WriteSeg},
+    superblock::{fmt_uuid, random_uuid, Geometry, AG_BLOCKS_DEFAULT},
+    AgId, BlockNo, Extent, BLOCK_SIZE,
+};
+
+/// Waiter threads that run operations needing etcd (each blocks on one ticket at a time;
+/// together they bound how many operations this node has in the pipeline at once).
+const WAITERS: usize = 16;
+/// Operations queued for the waiters; past it the core runs the operation itself (the
+/// back-pressure a full pipeline should exert).
+const WAITER_QUEUE_MAX: usize = 1024;
+/// Open directory handles at once (EMFILE past it).
+const DIR_HANDLES_MAX: usize = 65536;
+/// Cookie → name entries one directory handle remembers; past it the oldest half is
+/// dropped (an unknown cookie is then found by scanning the directory).
+const DIR_COOKIES_MAX: usize = 4096;
+/// Entries read per readdir page from etcd.
+const DIR_PAGE_ENTRIES: usize = 256;
+/// Entries scanned to find the name of an unknown readdir cookie.
+const DIR_SCAN_MAX: usize = 1 << 20;
+/// xattr names listed at most (E2BIG past it).
+const XATTR_LIST_NAMES_MAX: usize = 4096;
+/// Orphans of dead sessions reclaimed per pass.
+const ORPHAN_RECLAIM_BATCH: usize = 256;
+/// Groups claimed at mount; more are claimed when these run out.
+const GROUPS_CLAIM_INITIAL: usize = 2;
+/// How often the housekeeping thread reclaims dead nodes' orphans and claims groups.
+const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(5);
+/// Largest file size (as ext4 with 4 KiB blocks: 16 TiB).
+const FILE_SIZE_MAX: u64 = 16 << 40;
+/// The statfs inode count: inode numbers are 64-bit and never reused; report 2^32.
+const STATFS_FILES: u64 = 1 << 32;
+/// FALLOC_FL_KEEP_SIZE and FALLOC_FL_PUNCH_HOLE.
+const FALLOC_KEEP_SIZE: u32 = 0x01;
+const FALLOC_PUNCH_HOLE: u32 = 0x02;
+/// lseek whence values the kernel forwards.
+const SEEK_DATA: u32 = 3;
+const SEEK_HOLE: u32 = 4;
+
+/// What the CLI passes to [`EtcFs::open`].
+#[derive(Debug, Clone)]
+pub(crate) struct FsConfig {
+    pub etcd: Vec<String>,
+    pub device: PathBuf,
+    pub prefix: String,
+    pub attr_timeout: Duration,
+    pub entry_timeout: Duration,
+    pub cores: usize,
+}
+
+/// What `etcfs mkfs` prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MkfsReport {
+    pub uuid: String,
+    pub device_bytes: u64,
+    pub groups: u32,
+    pub block_size: u32,
+}
+
+/// The device as the filesystem uses it: a real file (driven with psync for writes here,
+/// read by the transport through its fd) or, in tests, an in-memory device.
+#[derive(Clone, Debug)]
+pub(crate) enum Dev {
+    File(DevFile),
+    #[cfg_attr(not(test), allow(dead_code))]
+    Mem(MemDev),
+}
+
+impl Dev {
+    /// A block-I/O engine on the device for this call.
+    fn io(&self) -> Box<dyn BlockDev> {
+        match self {
+            Dev::File(f) => Box::new(PsyncDev::new(f)),
+            Dev::Mem(m) => Box::new(m.clone()),
+        }
+    }
+
+    /// The fd a transport reads [`Segment::Device`] ranges from (None for memory).
+    fn fd(&self) -> Option<RawFd> {
+        match self {
+            Dev::File(f) => Some(f.file.as_raw_fd()),
+            Dev::Mem(_) => None,
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Dev::File(f) => f.path.display().to_string(),
+            Dev::Mem(_) => "memory".into(),
+        }
+    }
+}
+
+fn connect_etcd(endpoints: Vec<String>) -> Connect {
+    Box::new(move || {
+        Box::pin(async move {
+            let cfg = meta::etcd::EtcdConfig::new(endpoints);
+            let b = meta::etcd::EtcdBackend::connect(&cfg).await?;
+            Ok(Arc::new(b) as Arc<dyn KvBackend>)
+        })
+    })
+}
+
+fn connect_backend(kv: Arc<dyn KvBackend>) -> Connect {
+    Box::new(move || Box::pin(async move { Ok(kv) }))
+}
+
+fn pipeline_config() -> PipelineConfig {
+    PipelineConfig {
+        block_size: BLOCK_SIZE,
+        ..PipelineConfig::default()
+    }
+}
+
+/// Runs an async function of the backend on the pipeline's runtime and waits for it.
+fn run_read<T, F>(meta: &MetaClient, f: F) -> Result<T, MetaError>
+where
+    T: Send + 'static,
+    F: FnOnce(Arc<dyn KvBackend>, Keyspace) -> meta::kv::BoxFut<'static, Result<T, MetaError>>
+        + Send
+        + 'static,
+{
+    meta.read(f)?.wait()
+}
+
+/// Formats `device` and the etcd `prefix` as one new filesystem.
+pub(crate) fn mkfs(
+    etcd: &[String],
+    device: &Path,
+    prefix: &str,
+    force: bool,
+) -> anyhow::Result<MkfsReport> {
+    let keys = Keyspace::new(prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
+    let dev = open_device(device, OpenOpts::default()).map_err(|e| anyhow!("{e}"))?;
+    let pipeline = Pipeline::start(
+        connect_etcd(etcd.to_vec()),
+        keys.clone(),
+        meta::types::SessionId(u64::MAX),
+        Arc::new(SystemClock::new()),
+        pipeline_config(),
+    )
+    .map_err(|e| anyhow!("cannot reach etcd at {}: {e}", etcd.join(",")))?;
+    mkfs_on(
+        &pipeline.client(),
+        &mut PsyncDev::new(&dev),
+        device,
+        prefix,
+        AG_BLOCKS_DEFAULT,
+        force,
+    )
+}
+
+/// mkfs on an open pipeline and device (tests use the model and a memory device).
+pub(crate) fn mkfs_on(
+    meta: &MetaClient,
+    dev: &mut dyn BlockDev,
+    device: &Path,
+    prefix: &str,
+    ag_blocks: u64,
+    force: bool,
+) -> anyhow::Result<MkfsReport> {
+    // Refuse before touching either side: an etcd prefix in use, then the device.
+    if !force {
+        let existing = run_read(meta, |kv, keys| {
+            Box::pin(async move { meta::reader::superblock(&*kv, &keys).await })
+        })
+        .context("reading the etcd superblock record")?;
+        if let Some(rec) = existing {
+            bail!(
+                "etcd prefix {prefix:?} already holds etcfs filesystem {}; use --force to \
+                 overwrite",
+                fmt_uuid(&rec.uuid)
+            );
+        }
+    }
+    let uuid = random_uuid().context("generating a filesystem uuid")?;
+    let sb = dmkfs::format(dev, device, uuid, ag_blocks, force, SystemTime::now())
+        .map_err(|e| anyhow!("{e}"))?;
+    let rec = dmkfs::meta_record(&sb);
+    let root = meta::format::RootOwner {
+        // SAFETY-free: getuid/getgid cannot fail.
+        uid: unsafe_free_uid(),
+        gid: unsafe_free_gid(),
+        perm: 0o755,
+    };
+    let now = meta::clock::SystemClock::new().wall();
+    run_read(meta, move |kv, keys| {
+        Box::pin(async move { meta::format::format(&*kv, &keys, &rec, root, now, force).await })
+    })
+    .map_err(|e| match e {
+        MetaError::Exists => anyhow!(
+            "etcd prefix {prefix:?} already holds an etcfs filesystem; use --force to overwrite"
+        ),
+        e => anyhow!("writing the etcd superblock record: {e}"),
+    })?;
+    Ok(MkfsReport {
+        uuid: fmt_uuid(&sb.uuid),
+        device_bytes: sb.geometry.device_size,
+        groups: sb.geometry.ag_count,
+        block_size: BLOCK_SIZE as u32,
+    })
+}
+
+/// The owner of a new root directory: whoever runs mkfs (read from /proc to stay free of
+/// `unsafe`; root when unknown).
+fn unsafe_free_uid() -> u32 {
+    proc_status_id("Uid:")
+}
+
+fn unsafe_free_gid() -> u32 {
+    proc_status_id("Gid:")
+}
+
+fn proc_status_id(field: &str) -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|rest| rest.split_whitespace().nth(1).map(str::to_owned))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The filesystem. Cheap to share: the state is in an `Arc` that the waiter threads hold.
+pub(crate) struct EtcFs {
+    inner: Arc<Inner>,
+    pool: Pool,
+    housekeeping: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// Everything an operation needs, shared by the cores and the waiters.
+pub(crate) struct Inner {
+    attr_timeout: Duration,
+    entry_timeout: Duration,
+    meta: MetaClient,
+    pipeline: Mutex<Option<Pipeline>>,
+    session: Mutex<Option<Arc<Session>>>,
+    session_alive: Arc<dyn Fn() -> bool + Send + Sync>,
+    dev: Dev,
+    geometry: Geometry,
+    alloc: Mutex<Allocator>,
+    files: Files,
+    dirs: Mutex<HashMap<u64, DirHandle>>,
+    next_fh: AtomicU64,
+    stopping: AtomicBool,
+}
+
+/// One open directory: the names behind the cookies it handed out.
+#[derive(Default)]
+struct DirHandle {
+    names: HashMap<u64, Vec<u8>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl EtcFs {
+    /// Mounts: connects etcd (a clear error within 5 s when unreachable), checks that the
+    /// device is the filesystem etcd describes, registers this node's session, claims
+    /// allocation groups and reclaims dead nodes' orphans.
+    pub(crate) fn open(cfg: FsConfig) -> anyhow::Result<EtcFs> {
+        let keys = Keyspace::new(&cfg.prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
+        let dev = open_device(&cfg.device, OpenOpts::default()).map_err(|e| anyhow!("{e}"))?;
+        let t0 = std::time::Instant::now();
+        let (pipeline, session) = Pipeline::start_with_session(
+            connect_etcd(cfg.etcd.clone()),
+            keys,
+            SessionConfig::new(&node_name()),
+            Arc::new(SystemClock::new()),
+            pipeline_config(),
+        )
+        .map_err(|e| {
+            anyhow!(
+                "cannot reach etcd at {} (after {:.1} s): {e}",
+                cfg.etcd.join(","),
+                t0.elapsed().as_secs_f64()
+            )
+        })?;
+        Self::open_with(
+            pipeline,
+            session,
+            Dev::File(dev),
+            cfg.attr_timeout,
+            cfg.entry_timeout,
+        )
+    }
+
+    /// Mounts on a running pipeline and session (tests: the model and a memory device).
+    pub(crate) fn open_with(
+        pipeline: Pipeline,
+        session: Session,
+        dev: Dev,
+        attr_timeout: Duration,
+        entry_timeout: Duration,
+    ) -> anyhow::Result<EtcFs> {
+        let meta = pipeline.client();
+        let rec = run_read(&meta, |kv, keys| {
+            Box::pin(async move { meta::reader::superblock(&*kv, &keys).await })
+        })
+        .context("reading the etcd superblock record")?
+        .ok_or_else(|| {
+            anyhow!(
+                "etcd prefix {:?} holds no filesystem (run `etcfs mkfs`)",
+                String::from_utf8_lossy(meta.keys().root())
+            )
+        })?;
+        let dev_name = PathBuf::from(dev.name());
+        let sb = dmkfs::check(&mut *dev.io(), &dev_name, rec.uuid).map_err(|e| anyhow!("{e}"))?;
+        dmkfs::agrees_with_meta(&sb, &rec, &dev_name).map_err(|e| anyhow!("{e}"))?;
+        let session = Arc::new(session);
+        let alive = {
+            let s = session.clone();
+            Arc::new(move || s.is_alive()) as Arc<dyn Fn() -> bool + Send + Sync>
+        };
+        let inner = Arc::new(Inner {
+            attr_timeout,
+            entry_timeout,
+            meta,
+            pipeline: Mutex::new(Some(pipeline)),
+            session: Mutex::new(Some(session)),
+            session_alive: alive,
+            dev,
+            geometry: sb.geometry,
+            alloc: Mutex::new(Allocator::new(sb.geometry)),
+            files: Files::default(),
+            dirs: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+        });
+        inner
+            .claim_groups(GROUPS_CLAIM_INITIAL)
+            .context("claiming allocation groups")?;
+        if let Err(e) = inner.reclaim_dead_orphans() {
+            log::warn!("reclaiming orphans of dead nodes: {e}");
+        }
+        let hk = {
+            let weak = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("etcfs-housekeeping".into())
+                .spawn(move || housekeeping(weak))
+                .context("spawning the housekeeping thread")?
+        };
+        Ok(EtcFs {
+            pool: Pool::new(WAITERS, WAITER_QUEUE_MAX, inner.clone()),
+            inner,
+            housekeeping: Mutex::new(Some(hk)),
+        })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+}
+
+fn node_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "etcfs-node".into())
+}
+
+/// Periodically claims groups when none are owned and reclaims orphans of dead nodes
+/// (after a crash the old session's lease needs its TTL to expire first).
+fn housekeeping(inner: std::sync::Weak<Inner>) {
+    loop {
+        let step = Duration::from_millis(200);
+        let mut waited = Duration::ZERO;
+        while waited < HOUSEKEEPING_INTERVAL {
+            std::thread::sleep(step);
+            waited += step;
+            match inner.upgrade() {
+                Some(i) if !i.stopping.load(Ordering::Acquire) => {}
+                _ => return,
+            }
+        }
+        let Some(i) = inner.upgrade() else { return };
+        if lock(&i.alloc).owned().is_empty() {
+            if let Err(e) = i.claim_groups(GROUPS_CLAIM_INITIAL) {
+                log::warn!("claiming allocation groups: {e}");
+            }
+        }
+        if let Err(e) = i.reclaim_dead_orphans() {
+            log::warn!("reclaiming orphans of dead nodes: {e}");
+        }
+    }
+}
+
+/// What a waiter answers with.
+pub(crate) enum Done {
+    Bytes(Vec<u8>),
+    Read(ReadPlan),
+    Empty,
+}
+
+fn done_bytes<T: IntoBytes + Immutable>(v: &T) -> Done {
+    Done::Bytes(v.as_bytes().to_vec())
+}
+
+impl Inner {
+    fn session(&self) -> Result<Arc<Session>, Errno> {
+        lock(&self.session).clone().ok_or(Errno::EIO)
+    }
+
+    fn entry_out(&self, a: &InodeAttr, blocks: Option<u64>) -> EntryOut {
+        EntryOut::new(
+            a.generation,
+            self.entry_timeout,
+            self.attr_timeout,
+            fuse_attr(a, blocks),
+        )
+    }
+
+    fn attr_out(&self, a: &InodeAttr, blocks: Option<u64>) -> AttrOut {
+        AttrOut::new(self.attr_timeout, fuse_attr(a, blocks))
+    }
+
+    fn new_fh(&self) -> u64 {
+        self.next_fh.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Commits a mutation and waits (on a waiter thread).
+    fn commit(&self, m: Mutation) -> Result<Outcome, Errno> {
+        let out = self.meta.commit(m).map_err(|e| errno::meta(&e))?;
+        self.after_commit(&out);
+        Ok(out)
+    }
+
+    /// Bookkeeping every committed mutation needs: cached attributes, orphans, frees.
+    fn after_commit(&self, out: &Outcome) {
+        if let (Some(ino), Some(attr)) = (out.ino, &out.attr) {
+            self.files.update_attr(ino.0, attr);
+        }
+        if let Some(ino) = out.orphaned {
+            // Orphaned because *some* file was open here; if this one is not, reclaim now.
+            if !self.files.mark_orphaned(ino.0) {
+                self.reclaim_orphan(ino);
+            }
+        }
+        if let Some(ino) = out.removed {
+            self.files.forget_extents(ino.0);
+        }
+        if !out.freed.is_empty() {
+            self.release_blocks(&out.freed);
+        }
+    }
+
+    /// Returns freed device ranges to the allocator and persists the free maps of the
+    /// groups this node owns. A crash between the freeing commit and this one leaks the
+    /// blocks (never double-allocates them); blocks in groups other nodes own are left to
+    /// their owner's recovery.
+    fn release_blocks(&self, freed: &[meta::pipeline::DevRange]) {
+        let mut a = lock(&self.alloc);
+        let mut changed = BTreeSet::new();
+        for r in freed {
+            let ext = Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE);
+            if ext.len == 0 {
+                continue;
+            }
+            let groups = a.groups_of(&[ext]);
+            if !groups.iter().all(|g| a.owned().contains(g)) {
+                log::warn!(
+                    "freed {ext} lies in a group this node does not own; left allocated until \
+                     the owner's recovery"
+                );
+                continue;
+            }
+            match a.free(ext) {
+                Ok(g) => changed.extend(g),
+                Err(e) => log::error!("freeing {ext}: {e}"),
+            }
+        }
+        if changed.is_empty() {
+            return;
+        }
+        let maps = encode_maps(&a, &changed);
+        // Submitted under the allocator lock, so free-map writes commit in the order of
+        // the allocator changes they describe.
+        if let Err(e) = self.meta.submit_blocking(Mutation::FreeMaps { maps }) {
+            log::error!("persisting free maps: {e}");
+        }
+    }
+
+    fn reclaim_orphan(&self, ino: Ino) {
+        match self.meta.commit(Mutation::ReclaimOrphan { ino }) {
+            Ok(out) => self.after_commit(&out),
+            Err(MetaError::NotFound) => {}
+            Err(e) => log::warn!("reclaiming orphan inode {ino}: {e}"),
+        }
+    }
+
+    /// Claims up to `n` more allocation groups and loads their free maps.
+    fn claim_groups(&self, n: usize) -> Result<usize, MetaError> {
+        let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        let count = self.geometry.ag_count;
+        let start = (session.id().0 % u64::from(count.max(1))) as u32;
+        let mut claimed = 0;
+        for i in 0..count {
+            if claimed >= n {
+                break;
+            }
+            let g = (start + i) % count;
+            if lock(&self.alloc).owned().contains(&AgId(g)) {
+                continue;
+            }
+            let s = session.clone();
+            let got = run_read(&self.meta, move |_, _| {
+                Box::pin(async move { s.claim_group(GroupId(g)).await })
+            })?;
+            if !got {
+                continue;
+            }
+            let Some(span) = self.geometry.ag_extent(AgId(g)) else {
+                continue;
+            };
+            let raw = run_read(&self.meta, move |kv, keys| {
+                Box::pin(async move {
+                    let key = keys.free_map(GroupId(g));
+                    let r = kv.range(RangeRequest::key(key)).await?;
+                    Ok(r.kvs.into_iter().next().map(|kv| kv.value))
+                })
+            })?;
+            let map = match raw {
+                // Never written: nothing was ever allocated from the group.
+                None => AgFreeMap::all_free(AgId(g), span),
+                Some(b) => match AgFreeMap::decode(&b, AgId(g), span) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        log::error!(
+                            "corrupt free map at key {}: {e}; not using group {g}",
+                            self.meta
+                                .keys()
+                                .describe(&self.meta.keys().free_map(GroupId(g)))
+                        );
+                        continue;
+                    }
+                },
+            };
+            let mut a = lock(&self.alloc);
+            if a.load_group(map).is_err() {
+                continue;
+            }
+            let mut owned = a.owned().clone();
+            owned.insert(AgId(g));
+            if a.set_owned(owned).is_ok() {
+                claimed += 1;
+            }
+        }
+        Ok(claimed)
+    }
+
+    fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
+        let dead = run_read(&self.meta, |kv, keys| {
+            Box::pin(
+                async move { meta::session::dead_orphans(&*kv, &keys, ORPHAN_RECLAIM_BATCH).await },
+            )
+        })?;
+        for o in dead {
+            log::info!(
+                "reclaiming inode {} left open by dead session {}",
+                o.ino,
+                o.session
+            );
+            self.reclaim_orphan(o.ino);
+        }
+        Ok(())
+    }
+
+    /// Reads an inode's attributes (blocking a waiter thread).
+    fn get_attr(&self, ino: u64) -> Result<InodeAttr, Errno> {
+        match self.meta.get_inode(Ino(ino)).and_then(|t| t.wait()) {
+            Ok(Some((a, _))) => Ok(a),
+            Ok(None) => Err(Errno::ENOENT),
+            Err(e) => Err(errno::meta(&e)),
+        }
+    }
+
+    /// Attributes for GETATTR: the open file's cache, else etcd.
+    fn attr_of(&self, ino: u64) -> Result<(InodeAttr, Option<u64>), Errno> {
+        if let Some(v) = self.files.cached_attr(ino) {
+            return Ok(v);
+        }
+        Ok((self.get_attr(ino)?, None))
+    }
+
+    fn lookup(&self, parent: u64, name: &[u8]) -> Result<Done, Errno> {
+        check_name(name)?;
+        let dentry = self
+            .meta
+            .lookup(Ino(parent), name.to_vec())
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        let Some(d) = dentry else {
+            // A negative entry: the kernel caches the absence for entry_timeout. Our own
+            // creates invalidate it in the kernel; other nodes' creates are the cluster
+            // issue's (INVAL_ENTRY).
+            return Ok(done_bytes(&EntryOut::negative(self.entry_timeout)));
+        };
+        let (attr, blocks) = self.attr_of(d.ino.0)?;
+        Ok(done_bytes(&self.entry_out(&attr, blocks)))
+    }
+
+    fn getattr(&self, ino: u64) -> Result<Done, Errno> {
+        let (attr, blocks) = self.attr_of(ino)?;
+        Ok(done_bytes(&self.attr_out(&attr, blocks)))
+    }
+
+    fn make_node(
+        &self,
+        h: &abi::InHeader,
+        parent: u64,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u64,
+        symlink: Option<Vec<u8>>,
+    ) -> Result<InodeAttr, Errno> {
+        check_name(name)?;
+        if name == b"." || name == b".." {
+            return Err(Errno::EEXIST);
+        }
+        let mut perm = (mode & 0o7777) as u16;
+        let mut gid = h.gid;
+        // A set-group-id directory passes its group (and, to subdirectories, the bit) on.
+        let pattr = self.get_attr(parent)?;
+        if pattr.kind != FileType::Directory {
+            return Err(Errno::ENOTDIR);
+        }
+        if pattr.nlink == 0 {
+            return Err(Errno::ENOENT);
+        }
+        if pattr.perm & 0o2000 != 0 {
+            gid = pattr.gid;
+            if kind == FileType::Directory {
+                perm |= 0o2000;
+            }
+        }
+        let out = self.commit(Mutation::Create {
+            parent: Ino(parent),
+            name: name.to_vec(),
+            inode: NewInode {
+                kind,
+                perm,
+                uid: h.uid,
+                gid,
+                rdev,
+                flags: 0,
+            },
+            symlink,
+        })?;
+        out.attr.ok_or(Errno::EIO)
+    }
+
+    fn open_file(&self, ino: u64, flags: u32, dir: bool) -> Result<Done, Errno> {
+        let attr = self.get_attr(ino)?;
+        if dir {
+            if attr.kind != FileType::Directory {
+                return Err(Errno::ENOTDIR);
+            }
+            let mut dirs = lock(&self.dirs);
+            if dirs.len() >= DIR_HANDLES_MAX {
+                return Err(Errno::EMFILE);
+            }
+            let fh = self.new_fh();
+            dirs.insert(fh, DirHandle::default());
+            return Ok(done_bytes(&OpenOut {
+                fh,
+                open_flags: 0,
+                backing_id: 0,
+            }));
+        }
+        if attr.kind == FileType::Directory {
+            return Err(Errno::EISDIR);
+        }
+        let fh = self.new_fh();
+        let mut open_flags = 0;
+        if attr.kind == FileType::Regular {
+            let st = self.files.open(ino, attr.clone())?;
+            let trunc = flags & libc::O_TRUNC as u32 != 0
+                && flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+            if trunc && attr.size != 0 {
+                if let Err(e) = self.truncate(&st, 0, SetAttr::default()) {
+                    self.release_file(ino);
+                    return Err(e);
+                }
+            }
+            // This node's own writes keep the page cache right; other nodes' writes are
+            // the cluster issue's (their locks invalidate it).
+            open_flags |= abi::FOPEN_KEEP_CACHE;
+        }
+        Ok(done_bytes(&OpenOut {
+            fh,
+            open_flags,
+            backing_id: 0,
+        }))
+    }
+
+    /// Drops one open of a regular file; the last close of an orphan deletes it.
+    fn release_file(&self, ino: u64) {
+        if let Some(st) = self.files.close(ino) {
+            let mut f = st.lock();
+            let mtime = f.mtime_dirty.take();
+            let orphan = f.orphaned;
+            drop(f);
+            if orphan {
+                self.reclaim_orphan(Ino(ino));
+            } else if let Some(t) = mtime {
+                self.persist_mtime(ino, t);
+            }
+        }
+    }
+
+    fn persist_mtime(&self, ino: u64, t: Timespec) {
+        let m = Mutation::SetAttr {
+            ino: Ino(ino),
+            set: SetAttr {
+                mtime: Some(TimeSet::At(t)),
+                ..SetAttr::default()
+            },
+        };
+        match self.commit(m) {
+            Ok(_) | Err(Errno::ENOENT) => {}
+            Err(e) => log::warn!("writing mtime of inode {ino}: {e}"),
+        }
+    }
+
+    /// Writes a pending in-place-overwrite mtime now (FLUSH, FSYNC).
+    fn flush_mtime(&self, ino: u64) {
+        if let Some(st) = self.files.get(ino) {
+            let t = st.lock().mtime_dirty.take();
+            if let Some(t) = t {
+                self.persist_mtime(ino, t);
+            }
+        }
+    }
+
+    fn setattr(&self, ino: u64, a: &SetattrIn) -> Result<Done, Errno> {
+        let v = a.valid;
+        let mut set = SetAttr::default();
+        if v & abi::FATTR_MODE != 0 {
+            set.perm = Some((a.mode & 0o7777) as u16);
+        }
+        if v & abi::FATTR_UID != 0 {
+            set.uid = Some(a.uid);
+        }
+        if v & abi::FATTR_GID != 0 {
+            set.gid = Some(a.gid);
+        }
+        if v & abi::FATTR_ATIME_NOW != 0 {
+            set.atime = Some(TimeSet::Now);
+        } else if v & abi::FATTR_ATIME != 0 {
+            set.atime = Some(TimeSet::At(wire_time(a.atime, a.atimensec)?));
+        }
+        if v & abi::FATTR_MTIME_NOW != 0 {
+            set.mtime = Some(TimeSet::Now);
+        } else if v & abi::FATTR_MTIME != 0 {
+            set.mtime = Some(TimeSet::At(wire_time(a.mtime, a.mtimensec)?));
+        }
+        if v & abi::FATTR_KILL_SUIDGID != 0 && set.perm.is_none() {
+            let cur = self.get_attr(ino)?;
+            if cur.perm & 0o6000 != 0 {
+                set.perm = Some(cur.perm & !0o6000);
+            }
+        }
+        if v & abi::FATTR_SIZE != 0 {
+            if a.size > FILE_SIZE_MAX {
+                return Err(Errno::EFBIG);
+            }
+            let attr = self.get_attr(ino)?;
+            match attr.kind {
+                FileType::Regular => {}
+                FileType::Directory => return Err(Errno::EISDIR),
+                _ => return Err(Errno::EINVAL),
+            }
+            // Truncation goes through the file's state (open or not) so the cached map
+            // and the EOF block stay right.
+            let st = self.files.open(ino, attr)?;
+            let r = self.truncate(&st, a.size, set);
+            self.release_file(ino);
+            let attr = r?;
+            return Ok(done_bytes(&self.attr_out(&attr, None)));
+        }
+        // A pending overwrite mtime must not land after (and undo) an explicit one.
+        if set.mtime.is_some() {
+            if let Some(st) = self.files.get(ino) {
+                st.lock().mtime_dirty = None;
+            }
+        }
+        let out = self.commit(Mutation::SetAttr { ino: Ino(ino), set })?;
+        let attr = out.attr.ok_or(Errno::EIO)?;
+        let blocks = self.files.cached_attr(ino).and_then(|(_, b)| b);
+        Ok(done_bytes(&self.attr_out(&attr, blocks)))
+    }
+
+    /// Sets a regular file's size. Shrinking zeroes the rest of the new EOF block on the
+    /// device first (bytes past EOF in that block must read as zeros when it grows again).
+    fn truncate(&self, st: &FileState, size: u64, mut set: SetAttr) -> Result<InodeAttr, Errno> {
+        let mut f = st.lock();
+        let old = f.attr.size;
+        if size < old && size % BLOCK_SIZE != 0 {
+            let block = size - size % BLOCK_SIZE;
+            let extents = self.extents_for(&mut f, st.ino, block, BLOCK_SIZE)?;
+            if let Some(dev_off) = written_block(&extents, block) {
+                let mut io = self.dev.io();
+                let mut buf = AlignedBuf::new(BLOCK_SIZE as usize);
+                io.read_at(&mut buf, dev_off).map_err(|e| errno::dev(&e))?;
+                buf[(size - block) as usize..].fill(0);
+                io.write_at(&buf, dev_off).map_err(|e| errno::dev(&e))?;
+                io.flush().map_err(|e| errno::dev(&e))?;
+            }
+        }
+        set.size = Some(size);
+        if set.mtime.is_none() {
+            set.mtime = Some(TimeSet::Now);
+        }
+        f.mtime_dirty = None;
+        let out = self.commit_locked(
+            &mut f,
+            Mutation::SetAttr {
+                ino: Ino(st.ino),
+                set,
+            },
+        )?;
+        let attr = out.attr.clone().ok_or(Errno::EIO)?;
+        if let Some(map) = f.extents.as_mut() {
+            files::trim_extents(map, size.next_multiple_of(BLOCK_SIZE));
+        }
+        f.attr = attr.clone();
+        drop(f);
+        self.after_commit_unlocked(&out);
+        Ok(attr)
+    }
+
+    /// Commits while holding the file's lock: updates the cached attributes inline (the
+    /// generic `after_commit` would take the same lock) and leaves the rest to
+    /// [`Inner::after_commit_unlocked`].
+    fn commit_locked(&self, f: &mut files::FileInner, m: Mutation) -> Result<Outcome, Errno> {
+        let out = self.meta.commit(m).map_err(|e| errno::meta(&e))?;
+        if let Some(a) = &out.attr {
+            f.attr = a.clone();
+        }
+        Ok(out)
+    }
+
+    fn after_commit_unlocked(&self, out: &Outcome) {
+        let trimmed = Outcome {
+            attr: None,
+            ..out.clone()
+        };
+        self.after_commit(&trimmed);
+    }
+
+    /// The extents overlapping `[off, off + len)`: from the cache, loading the whole map
+    /// on first use when it is small enough, else read for this range only.
+    fn extents_for(
+        &self,
+        f: &mut files::FileInner,
+        ino: u64,
+        off: u64,
+        len: u64,
+    ) -> Result<Vec<FileExtent>, Errno> {
+        if f.extents.is_none() && !f.map_too_big {
+            let (list, more) = self
+                .meta
+                .extents(Ino(ino), 0, files::EXTENTS_CACHED_MAX)
+                .and_then(|t| t.wait())
+                .map_err(|e| errno::meta(&e))?;
+            if more {
+                f.map_too_big = true;
+            } else {
+                f.extents = Some(list.iter().map(FileExtent::from).collect());
+            }
+        }
+        if let Some(map) = &f.extents {
+            return Ok(files::overlapping(map, off, len).to_vec());
+        }
+        // A map too large to cache: read the extents this range can touch (one per block
+        // at most, plus the one reaching in from before).
+        let limit = (len.div_ceil(BLOCK_SIZE) as usize).saturating_add(2);
+        let (list, _) = self
+            .meta
+            .extents(Ino(ino), off, limit)
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        let v: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
+        Ok(files::overlapping(&v, off, len).to_vec())
+    }
+
+    /// READ: a plan of device reads and zeros.
+    fn read(&self, ino: u64, off: u64, size: u32, out_len: usize) -> Result<Done, Errno> {
+        let st = self.files.get(ino).ok_or(Errno::EBADF)?;
+        let mut f = st.lock();
+        let fsize = f.attr.size;
+        if off >= fsize || size == 0 {
+            return Ok(Done::Bytes(Vec::new()));
+        }
+        let (a_off, a_len) = aligned_range(off, u64::from(size), fsize);
+        let extents = self.extents_for(&mut f, ino, a_off, a_len)?;
+        drop(f);
+        self.read_done(&extents, fsize, off, size, out_len)
+    }
+
+    fn read_done(
+        &self,
+        extents: &[FileExtent],
+        fsize: u64,
+        off: u64,
+        size: u32,
+        out_len: usize,
+    ) -> Result<Done, Errno> {
+        let plan = build_read(
+            extents,
+            fsize,
+            off,
+            u64::from(size),
+            self.dev.fd().unwrap_or(-1),
+        )
+        .map_err(|e| errno::plan(&e))?;
+        if self.dev.fd().is_some() && plan.total() <= out_len {
+            return Ok(Done::Read(plan));
+        }
+        // No fd to hand the transport (memory device), or an unaligned read whose
+        // aligned cover exceeds the reply buffer: read it here.
+        Ok(Done::Bytes(exec_read(&mut *self.dev.io(), &plan)?))
+    }
+
+    /// WRITE: data to the device (durable first when new blocks get mapped), then the
+    /// extents, then the reply.
+    fn write(&self, ino: u64, off: u64, data: &[u8], kill_suid: bool) -> Result<Done, Errno> {
+        let len = data.len() as u64;
+        let end = off.checked_add(len).ok_or(Errno::EFBIG)?;
+        if end > FILE_SIZE_MAX {
+            return Err(Errno::EFBIG);
+        }
+        if !(self.session_alive)() {
+            // Our lease is gone: another node may own our groups now.
+            return Err(Errno::EIO);
+        }
+        let st = self.files.get(ino).ok_or(Errno::EBADF)?;
+        let mut f = st.lock();
+        if len == 0 {
+            return reply_write(0);
+        }
+        let size = f.attr.size;
+        let block_off = off - off % BLOCK_SIZE;
+        let block_end = end.next_multiple_of(BLOCK_SIZE);
+        // The map around the write, and the old EOF block (plan_write may rmw it).
+        let eof_block = size - size % BLOCK_SIZE;
+        let from = block_off.min(eof_block);
+        let extents = self.extents_for(&mut f, ino, from, block_end - from)?;
+        let plan = dplan::plan_write(&extents, size, off, len).map_err(|e| errno::plan(&e))?;
+
+        // Allocate the holes (in the groups this node owns; claim more when they run out).
+        let goal = extents
+            .iter()
+            .filter(|e| e.file_off < block_off)
+            .last()
+            .map(|e| BlockNo((e.dev_off + e.len) / BLOCK_SIZE));
+        let mut allocated: Vec<FileExtent> = Vec::new();
+        for (hoff, hlen) in plan.holes() {
+            let pieces = match self.alloc_blocks(hlen / BLOCK_SIZE, goal) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.unalloc(&allocated);
+                    return Err(e);
+                }
+            };
+            let mut at = hoff;
+            for p in pieces {
+                allocated.push(FileExtent {
+                    file_off: at,
+                    len: p.byte_len(),
+                    dev_off: p.dev_off(),
+                    unwritten: false,
+                });
+                at += p.byte_len();
+            }
+        }
+
+        // Build the block-aligned image of the write.
+        let mut buf = AlignedBuf::new(plan.block_len as usize);
+        let mut io = self.dev.io();
+        for b in &plan.rmw {
+            let at = (b.file_off - plan.block_off) as usize;
+            if b.file_off < plan.block_off {
+                // The old EOF block before the write: zero its tail in place.
+                if let Some(dev_off) = b.old_dev_off {
+                    let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
+                    let r = io.read_at(&mut blk, dev_off).and_then(|()| {
+                        blk[b.keep_bytes as usize..].fill(0);
+                        io.write_at(&blk, dev_off)
+                    });
+                    if let Err(e) = r {
+                        self.unalloc(&allocated);
+                        return Err(errno::dev(&e));
+                    }
+                }
+                continue;
+            }
+            let slot = &mut buf[at..at + BLOCK_SIZE as usize];
+            if let Some(dev_off) = b.old_dev_off {
+                let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
+                if let Err(e) = io.read_at(&mut blk, dev_off) {
+                    self.unalloc(&allocated);
+                    return Err(errno::dev(&e));
+                }
+                slot.copy_from_slice(&blk[..BLOCK_SIZE as usize]);
+            }
+            slot[b.keep_bytes as usize..].fill(0);
+        }
+        let d = (off - plan.block_off) as usize;
+        buf[d..d + data.len()].copy_from_slice(data);
+
+        // Where each piece of the block range goes, and what the map becomes.
+        let mut new_map: Vec<FileExtent> = Vec::new();
+        let mut needs_commit = end > size;
+        for seg in &plan.segments {
+            match *seg {
+                WriteSeg::Mapped {
+                    file_off,
+                    len,
+                    dev_off,
+                    unwritten,
+                } => {
+                    needs_commit |= unwritten;
+                    new_map.push(FileExtent {
+                        file_off,
+                        len,
+                        dev_off,
+                        unwritten: false,
+                    });
+                }
+                WriteSeg::Hole { file_off, len } => {
+                    needs_commit = true;
+                    new_map.extend(
+                        allocated
+                            .iter()
+                            .filter(|e| e.file_off >= file_off && e.file_off < file_off + len),
+                    );
+                }
+            }
+        }
+        let mut reqs_res = Ok(());
+        for e in &new_map {
+            let at = (e.file_off - plan.block_off) as usize;
+            // Whole blocks at block-aligned offsets, from an aligned buffer slice: write
+            // through a bounce only when the piece does not start the buffer.
+            let r = if at == 0 && e.len == plan.block_len {
+                io.write_at(&buf, e.dev_off)
+            } else {
+                let mut piece = AlignedBuf::new(e.len as usize);
+                piece[..e.len as usize].copy_from_slice(&buf[at..at + e.len as usize]);
+                io.write_at(&piece, e.dev_off)
+            };
+            if let Err(e) = r {
+                reqs_res = Err(e);
+                break;
+            }
+        }
+        if let Err(e) = reqs_res {
+            self.unalloc(&allocated);
+            return Err(errno::dev(&e));
+        }
+        let now = SystemClock::new().wall();
+        if !needs_commit {
+            // An overwrite of written blocks inside EOF: no metadata changes but mtime,
+            // written at FLUSH/FSYNC/RELEASE. No etcd round trip.
+            f.mtime_dirty = Some(now);
+            if kill_suid && f.attr.perm & 0o6000 != 0 {
+                drop(f);
+                self.kill_suid(ino)?;
+            }
+            return reply_write(len);
+        }
+        // Invariant 1: the data is durable before an extent points at it.
+        if let Err(e) = io.flush() {
+            self.unalloc(&allocated);
+            return Err(errno::dev(&e));
+        }
+        let merged = merge_extents(&new_map);
+        let free_maps = {
+            let a = lock(&self.alloc);
+            let ext: Vec<Extent> = allocated
+                .iter()
+                .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
+                .collect();
+            encode_maps(&a, &a.groups_of(&ext))
+        };
+        let m = Mutation::SetExtents {
+            ino: Ino(ino),
+            off: plan.block_off,
+            len: plan.block_len,
+            extents: merged.iter().map(to_meta_extent).collect(),
+            size_at_least: Some(end),
+            touch_mtime: true,
+            free_maps,
+        };
+        let out = match self.commit_locked(&mut f, m) {
+            Ok(o) => o,
+            Err(e) => {
+                self.unalloc(&allocated);
+                return Err(e);
+            }
+        };
+        f.mtime_dirty = None;
+        if let Some(map) = f.extents.as_mut() {
+            files::replace_range(map, plan.block_off, plan.block_len, &merged);
+        }
+        let suid = kill_suid && f.attr.perm & 0o6000 != 0;
+        drop(f);
+        self.after_commit_unlocked(&out);
+        if suid {
+            self.kill_suid(ino)?;
+        }
+        reply_write(len)
+    }
+
+    fn kill_suid(&self, ino: u64) -> Result<(), Errno> {
+        let perm = self.get_attr(ino)?.perm & !0o6000;
+        self.commit(Mutation::SetAttr {
+            ino: Ino(ino),
+            set: SetAttr {
+                perm: Some(perm),
+                ..SetAttr::default()
+            },
+        })
+        .map(|_| ())
+    }
+
+    fn alloc_blocks(&self, blocks: u64, goal: Option<BlockNo>) -> Result<Vec<Extent>, Errno> {
+        for attempt in 0..2 {
+            let r = lock(&self.alloc).alloc(blocks, goal);
+            match r {
+                Ok(p) => return Ok(p),
+                Err(AllocError::NoSpace { .. }) if attempt == 0 => match self.claim_groups(1) {
+                    Ok(n) if n > 0 => {}
+                    _ => return Err(Errno::ENOSPC),
+                },
+                Err(e) => return Err(errno::alloc(&e)),
+            }
+        }
+        Err(Errno::ENOSPC)
+    }
+
+    /// Gives back blocks allocated for a write that failed before its commit.
+    fn unalloc(&self, allocated: &[FileExtent]) {
+        let mut a = lock(&self.alloc);
+        for e in allocated {
+            if let Err(err) = a.free(Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE)) {
+                log::error!("returning blocks of a failed write: {err}");
+            }
+        }
+    }
+
+    fn fsync(&self, ino: u64, dir: bool) -> Result<Done, Errno> {
+        if dir {
+            let t = self
+                .meta
+                .flush(Some(Ino(ino)))
+                .map_err(|e| errno::meta(&e))?;
+            t.wait().map_err(|e| errno::meta(&e))?;
+            return Ok(Done::Empty);
+        }
+        self.dev.io().flush().map_err(|e| errno::dev(&e))?;
+        self.flush_mtime(ino);
+        let t = self.meta.flush(None).map_err(|e| errno::meta(&e))?;
+        t.wait().map_err(|e| errno::meta(&e))?;
+        Ok(Done::Empty)
+    }
+
+    fn readdir(
+        &self,
+        ino: u64,
+        fh: u64,
+        offset: u64,
+        size: u32,
+        plus: bool,
+    ) -> Result<Done, Errno> {
+        let size = size as usize;
+        let mut buf = vec![0u8; size];
+        let mut w = DirentWriter::new(&mut buf, size);
+        let dir_type = dirent_type(libc::S_IFDIR);
+        if offset < 1 {
+            let ok = if plus {
+                w.push_plus(&EntryOut::default(), ino, 1, dir_type, b".")
+            } else {
+                w.push(ino, 1, dir_type, b".")
+            };
+            if !ok {
+                let n = w.finish();
+                buf.truncate(n);
+                return Ok(Done::Bytes(buf));
+            }
+        }
+        if offset < 2 {
+            let parent = self
+                .meta
+                .dir_parent(Ino(ino))
+                .and_then(|t| t.wait())
+                .map_err(|e| errno::meta(&e))?
+                .map_or(ino, |p| p.0);
+            let ok = if plus {
+                w.push_plus(&EntryOut::default(), parent, 2, dir_type, b"..")
+            } else {
+                w.push(parent, 2, dir_type, b"..")
+            };
+            if !ok {
+                let n = w.finish();
+                buf.truncate(n);
+                return Ok(Done::Bytes(buf));
+            }
+        }
+        let mut after: Option<Vec<u8>> = if offset <= 2 {
+            None
+        } else {
+            Some(self.cookie_name(ino, fh, offset)?)
+        };
+        let mut remembered = Vec::new();
+        'pages: loop {
+            let page = self
+                .meta
+                .list_dir(Ino(ino), after.clone(), DIR_PAGE_ENTRIES)
+                .and_then(|t| t.wait())
+                .map_err(|e| errno::meta(&e))?;
+            // READDIRPLUS: fetch every entry's attributes concurrently.
+            let attrs: Vec<Option<InodeAttr>> = if plus {
+                let tickets: Vec<_> = page
+                    .entries
+                    .iter()
+                    .map(|e| self.meta.get_inode(e.entry.ino))
+                    .collect();
+                tickets
+                    .into_iter()
+                    .map(|t| t.ok().and_then(|t| t.wait().ok()).flatten().map(|(a, _)| a))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            for (i, e) in page.entries.iter().enumerate() {
+                let typ = dirent_type(e.entry.kind.s_ifmt());
+                let fitted = if plus {
+                    if !w.fits_plus(e.name.len()) {
+                        break 'pages;
+                    }
+                    match attrs.get(i).cloned().flatten() {
+                        Some(a) => {
+                            let (a, b) = self.files.cached_attr(a.ino.0).unwrap_or((a, None));
+                            w.push_plus(
+                                &self.entry_out(&a, b),
+                                e.entry.ino.0,
+                                e.cookie,
+                                typ,
+                                &e.name,
+                            )
+                        }
+                        // Removed since the page was read: skip it.
+                        None => true,
+                    }
+                } else {
+                    w.push(e.entry.ino.0, e.cookie, typ, &e.name)
+                };
+                if !fitted {
+                    break 'pages;
+                }
+                remembered.push((e.cookie, e.name.clone()));
+            }
+            if !page.more {
+                break;
+            }
+            after = page.entries.last().map(|e| e.name.clone());
+        }
+        self.remember_cookies(fh, remembered);
+        let n = w.finish();
+        buf.truncate(n);
+        Ok(Done::Bytes(buf))
+    }
+
+    fn remember_cookies(&self, fh: u64, names: Vec<(u64, Vec<u8>)>) {
+        let mut dirs = lock(&self.dirs);
+        if let Some(h) = dirs.get_mut(&fh) {
+            if h.names.len() + names.len() > DIR_COOKIES_MAX {
+                h.names.clear();
+            }
+            h.names.extend(names);
+        }
+    }
+
+    /// The name a readdir cookie stands for: from the handle, else by scanning the
+    /// directory for the name with that hash (an old telldir position).
+    fn cookie_name(&self, ino: u64, fh: u64, cookie: u64) -> Result<Vec<u8>, Errno> {
+        if let Some(n) = lock(&self.dirs).get(&fh).and_then(|h| h.names.get(&cookie)) {
+            return Ok(n.clone());
+        }
+        let mut after = None;
+        let mut scanned = 0;
+        while scanned < DIR_SCAN_MAX {
+            let page = self
+                .meta
+                .list_dir(Ino(ino), after.take(), DIR_PAGE_ENTRIES)
+                .and_then(|t| t.wait())
+                .map_err(|e| errno::meta(&e))?;
+            if let Some(e) = page.entries.iter().find(|e| e.cookie == cookie) {
+                return Ok(e.name.clone());
+            }
+            scanned += page.entries.len();
+            if !page.more {
+                break;
+            }
+            after = page.entries.last().map(|e| e.name.clone());
+        }
+        // The entry is gone; its cookie still orders nothing, so resume from the start
+        // would repeat names. Report the end of the directory instead.
+        Err(Errno::ENOENT)
+    }
+
+    fn statfs(&self) -> Result<Done, Errno> {
+        let raw = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move {
+                let r = keys.free_maps();
+                Ok(kv.range(RangeRequest::range(r.start, r.end)).await?.kvs)
+            })
+        })
+        .map_err(|e| errno::meta(&e))?;
+        let stored: HashMap<Vec<u8>, Vec<u8>> =
+            raw.into_iter().map(|kv| (kv.key, kv.value)).collect();
+        let a = lock(&self.alloc);
+        let mut free = 0u64;
+        for g in 0..self.geometry.ag_count {
+            let ag = AgId(g);
+            let Some(span) = self.geometry.ag_extent(ag) else {
+                continue;
+            };
+            if a.owned().contains(&ag) {
+                free += a.group(ag).map_or(0, AgFreeMap::free_blocks);
+                continue;
+            }
+            let key = self.meta.keys().free_map(GroupId(g));
+            free += match stored.get(&key) {
+                None => span.len,
+                Some(b) => match AgFreeMap::decode(b, ag, span) {
+                    Ok(m) => m.free_blocks(),
+                    Err(e) => {
+                        log::error!(
+                            "corrupt free map at key {}: {e}",
+                            self.meta.keys().describe(&key)
+                        );
+                        0
+                    }
+                },
+            };
+        }
+        let st = Kstatfs {
+            blocks: self.geometry.data_blocks(),
+            bfree: free,
+            bavail: free,
+            files: STATFS_FILES,
+            ffree: STATFS_FILES,
+            bsize: BLOCK_SIZE as u32,
+            namelen: NAME_MAX as u32,
+            frsize: BLOCK_SIZE as u32,
+            ..Kstatfs::default()
+        };
+        Ok(done_bytes(&st))
+    }
+
+    fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: u32) -> Result<Done, Errno> {
+        check_xattr_name(name)?;
+        if value.len() > XATTR_VALUE_LEN_MAX {
+            return Err(Errno::E2BIG);
+        }
+        let mode = match flags & (abi::XATTR_CREATE | abi::XATTR_REPLACE) {
+            0 => XattrMode::Any,
+            abi::XATTR_CREATE => XattrMode::Create,
+            abi::XATTR_REPLACE => XattrMode::Replace,
+            _ => return Err(Errno::EINVAL),
+        };
+        let m = Mutation::SetXattr {
+            ino: Ino(ino),
+            name: name.to_vec(),
+            value: value.to_vec(),
+            mode,
+        };
+        match self.commit(m) {
+            Ok(_) => Ok(Done::Empty),
+            // XATTR_REPLACE of a missing attribute (the inode exists: the kernel holds it).
+            Err(Errno::ENOENT) => Err(Errno::ENODATA),
+            Err(Errno::E2BIG) => Err(Errno::ENOSPC),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Result<Done, Errno> {
+        check_xattr_name(name)?;
+        let v = self
+            .meta
+            .get_xattr(Ino(ino), name.to_vec())
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?
+            .ok_or(Errno::ENODATA)?;
+        sized(v, size)
+    }
+
+    fn listxattr(&self, ino: u64, size: u32) -> Result<Done, Errno> {
+        let names = self
+            .meta
+            .list_xattrs(Ino(ino), XATTR_LIST_NAMES_MAX)
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        let mut list = Vec::new();
+        for n in names {
+            list.extend_from_slice(&n);
+            list.push(0);
+        }
+        sized(list, size)
+    }
+
+    fn removexattr(&self, ino: u64, name: &[u8]) -> Result<Done, Errno> {
+        check_xattr_name(name)?;
+        match self.commit(Mutation::RemoveXattr {
+            ino: Ino(ino),
+            name: name.to_vec(),
+        }) {
+            Ok(_) => Ok(Done::Empty),
+            Err(Errno::ENOENT) => Err(Errno::ENODATA),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn fallocate(&self, ino: u64, off: u64, len: u64, mode: u32) -> Result<Done, Errno> {
+        let end = off.checked_add(len).ok_or(Errno::EFBIG)?;
+        if len == 0 {
+            return Err(Errno::EINVAL);
+        }
+        if end > FILE_SIZE_MAX {
+            return Err(Errno::EFBIG);
+        }
+        let st = self.files.get(ino).ok_or(Errno::EBADF)?;
+        match mode {
+            0 | FALLOC_KEEP_SIZE => self.allocate(&st, off, end, mode == 0),
+            m if m == FALLOC_PUNCH_HOLE | FALLOC_KEEP_SIZE => self.punch(&st, off, end),
+            _ => Err(Errno::EOPNOTSUPP),
+        }
+    }
+
+    /// fallocate mode 0: unwritten extents for the holes of the range, size raised.
+    fn allocate(&self, st: &FileState, off: u64, end: u64, grow: bool) -> Result<Done, Errno> {
+        let mut f = st.lock();
+        let b_off = off - off % BLOCK_SIZE;
+        let b_end = end.next_multiple_of(BLOCK_SIZE);
+        let extents = self.extents_for(&mut f, st.ino, b_off, b_end - b_off)?;
+        let mut holes = Vec::new();
+        let mut cursor = b_off;
+        for e in &extents {
+            if e.file_off > cursor {
+                holes.push((cursor, e.file_off.min(b_end) - cursor));
+            }
+            cursor = cursor.max(e.file_off + e.len);
+        }
+        if cursor < b_end {
+            holes.push((cursor, b_end - cursor));
+        }
+        let mut new: Vec<FileExtent> = Vec::new();
+        for (hoff, hlen) in holes {
+            let pieces = match self.alloc_blocks(hlen / BLOCK_SIZE, None) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.unalloc(&new);
+                    return Err(e);
+                }
+            };
+            let mut at = hoff;
+            for p in pieces {
+                new.push(FileExtent {
+                    file_off: at,
+                    len: p.byte_len(),
+                    dev_off: p.dev_off(),
+                    unwritten: true,
+                });
+                at += p.byte_len();
+            }
+        }
+        let size_at_least = grow.then_some(end).filter(|&e| e > f.attr.size);
+        if new.is_empty() && size_at_least.is_none() {
+            return Ok(Done::Empty);
+        }
+        // Each hole becomes its own mutation-sized piece when there are many.
+        for chunk in new
+            .chunks(meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX)
+            .map(<[_]>::to_vec)
+            .chain(new.is_empty().then(Vec::new))
+        {
+            let (c_off, c_len) = match (chunk.first(), chunk.last()) {
+                (Some(a), Some(b)) => (a.file_off, b.file_off + b.len - a.file_off),
+                _ => (b_off, BLOCK_SIZE),
+            };
+            let free_maps = {
+                let a = lock(&self.alloc);
+                let ext: Vec<Extent> = chunk
+                    .iter()
+                    .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
+                    .collect();
+                encode_maps(&a, &a.groups_of(&ext))
+            };
+            // The replaced range holds only holes and the new extents (existing extents
+            // between chunk pieces are passed back unchanged).
+            let mut within: Vec<FileExtent> = files::overlapping(&extents, c_off, c_len).to_vec();
+            within.extend(chunk.iter().copied());
+            within.sort_by_key(|e| e.file_off);
+            let m = Mutation::SetExtents {
+                ino: Ino(st.ino),
+                off: c_off,
+                len: c_len,
+                extents: within.iter().map(to_meta_extent).collect(),
+                size_at_least,
+                touch_mtime: false,
+                free_maps,
+            };
+            let out = match self.commit_locked(&mut f, m) {
+                Ok(o) => o,
+                Err(e) => {
+                    self.unalloc(&chunk);
+                    return Err(e);
+                }
+            };
+            if let Some(map) = f.extents.as_mut() {
+                files::replace_range(map, c_off, c_len, &within);
+            }
+            self.after_commit_unlocked(&out);
+        }
+        Ok(Done::Empty)
+    }
+
+    /// PUNCH_HOLE|KEEP_SIZE: whole blocks unmapped (space returned), partial edge blocks
+    /// zeroed in place.
+    fn punch(&self, st: &FileState, off: u64, end: u64) -> Result<Done, Errno> {
+        let mut f = st.lock();
+        let end = end.min(f.attr.size.max(off));
+        if end <= off {
+            return Ok(Done::Empty);
+        }
+        let inner_off = off.next_multiple_of(BLOCK_SIZE);
+        let inner_end = end - end % BLOCK_SIZE;
+        let mut edges = Vec::new();
+        if off % BLOCK_SIZE != 0 {
+            edges.push((
+                off - off % BLOCK_SIZE,
+                off % BLOCK_SIZE,
+                (end - (off - off % BLOCK_SIZE)).min(BLOCK_SIZE),
+            ));
+        }
+        if end % BLOCK_SIZE != 0 && inner_end >= inner_off.max(off - off % BLOCK_SIZE + BLOCK_SIZE)
+        {
+            edges.push((inner_end, 0, end - inner_end));
+        }
+        let mut io = self.dev.io();
+        for (block, from, to) in edges {
+            let extents = self.extents_for(&mut f, st.ino, block, BLOCK_SIZE)?;
+            if let Some(dev_off) = written_block(&extents, block) {
+                let mut buf = AlignedBuf::new(BLOCK_SIZE as usize);
+                io.read_at(&mut buf, dev_off).map_err(|e| errno::dev(&e))?;
+                buf[from as usize..to as usize].fill(0);
+                io.write_at(&buf, dev_off).map_err(|e| errno::dev(&e))?;
+            }
+        }
+        io.flush().map_err(|e| errno::dev(&e))?;
+        if inner_end > inner_off {
+            let m = Mutation::SetExtents {
+                ino: Ino(st.ino),
+                off: inner_off,
+                len: inner_end - inner_off,
+                extents: Vec::new(),
+                size_at_least: None,
+                touch_mtime: true,
+                free_maps: Vec::new(),
+            };
+            let out = self.commit_locked(&mut f, m)?;
+            if let Some(map) = f.extents.as_mut() {
+                files::replace_range(map, inner_off, inner_end - inner_off, &[]);
+            }
+            drop(f);
+            self.after_commit_unlocked(&out);
+        }
+        Ok(Done::Empty)
+    }
+
+    fn lseek(&self, ino: u64, off: u64, whence: u32) -> Result<Done, Errno> {
+        let st = self.files.get(ino).ok_or(Errno::EBADF)?;
+        let mut f = st.lock();
+        let size = f.attr.size;
+        if off >= size {
+            return Err(Errno::ENXIO);
+        }
+        let extents = self.extents_for(&mut f, ino, off, size - off)?;
+        let pos = match whence {
+            SEEK_DATA => seek_data(&extents, off, size).ok_or(Errno::ENXIO)?,
+            SEEK_HOLE => seek_hole(&extents, off, size),
+            _ => return Err(Errno::EINVAL),
+        };
+        let mut b = vec![0u8; 8];
+        let n = reply::lseek(&mut b, pos).ok_or(Errno::EIO)?;
+        b.truncate(n);
+        Ok(Done::Bytes(b))
+    }
+
+    fn unlink(&self, parent: u64, name: &[u8], dir: bool) -> Result<Done, Errno> {
+        check_name(name)?;
+        if dir && name == b"." {
+            return Err(Errno::EINVAL);
+        }
+        if dir && name == b".." {
+            return Err(Errno::ENOTEMPTY);
+        }
+        let m = Mutation::Unlink {
+            parent: Ino(parent),
+            name: name.to_vec(),
+            dir,
+            // Orphan the inode if any file is open here; a file that turns out not to be
+            // open is reclaimed right after (see after_commit).
+            keep_open: !dir && !self.files.is_empty(),
+        };
+        self.commit(m)?;
+        Ok(Done::Empty)
+    }
+
+    fn rename(
+        &self,
+        olddir: u64,
+        name: &[u8],
+        newdir: u64,
+        newname: &[u8],
+        flags: u32,
+    ) -> Result<Done, Errno> {
+        check_name(name)?;
+        check_name(newname)?;
+        let mode = match flags {
+            0 => RenameMode::Replace,
+            abi::RENAME_NOREPLACE => RenameMode::NoReplace,
+            abi::RENAME_EXCHANGE => RenameMode::Exchange,
+            _ => return Err(Errno::EINVAL),
+        };
+        if [name, newname].iter().any(|n| *n == b"." || *n == b"..") {
+            return Err(Errno::EBUSY);
+        }
+        self.commit(Mutation::Rename {
+            src_parent: Ino(olddir),
+            src_name: name.to_vec(),
+            dst_parent: Ino(newdir),
+            dst_name: newname.to_vec(),
+            mode,
+            dst_keep_open: !self.files.is_empty(),
+        })?;
+        Ok(Done::Empty)
+    }
+
+    fn link(&self, ino: u64, newparent: u64, name: &[u8]) -> Result<Done, Errno> {
+        check_name(name)?;
+        let out = self.commit(Mutation::Link {
+            ino: Ino(ino),
+            parent: Ino(newparent),
+            name: name.to_vec(),
+        })?;
+        let attr = out.attr.ok_or(Errno::EIO)?;
+        Ok(done_bytes(&self.entry_out(&attr, None)))
+    }
+
+    fn readlink(&self, ino: u64) -> Result<Done, Errno> {
+        let t = self
+            .meta
+            .readlink(Ino(ino))
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        t.map(Done::Bytes).ok_or(Errno::EINVAL)
+    }
+
+    fn create(&self, h: &abi::InHeader, name: &[u8], flags: u32, mode: u32) -> Result<Done, Errno> {
+        let attr = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None) {
+            Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
+                // Another creator won; behave as open(2) does.
+                let d = self
+                    .meta
+                    .lookup(Ino(h.nodeid), name.to_vec())
+                    .and_then(|t| t.wait())
+                    .map_err(|e| errno::meta(&e))?
+                    .ok_or(Errno::ENOENT)?;
+                self.get_attr(d.ino.0)?
+            }
+            r => r?,
+        };
+        if attr.kind == FileType::Directory {
+            return Err(Errno::EISDIR);
+        }
+        let open = match self.open_file(attr.ino.0, flags, false)? {
+            Done::Bytes(b) => b,
+            _ => return Err(Errno::EIO),
+        };
+        let attr = self.files.cached_attr(attr.ino.0).map_or(attr, |(a, _)| a);
+        let mut b = vec![0u8; size_of::<EntryOut>() + size_of::<OpenOut>()];
+        let entry = self.entry_out(&attr, None);
+        let o = OpenOut::read_from(&open);
+        let n = reply::create(&mut b, &entry, &o).ok_or(Errno::EIO)?;
+        b.truncate(n);
+        Ok(Done::Bytes(b))
+    }
+
+    fn release_dir(&self, fh: u64) {
+        lock(&self.dirs).remove(&fh);
+    }
+
+    /// DESTROY: write pending timestamps, close open files, end the session.
+    fn shutdown(&self) {
+        if self.stopping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for ino in self.files.all() {
+            self.flush_mtime(ino);
+        }
+        if let Err(e) = self.dev.io().flush() {
+            log::error!("device flush at unmount: {e}");
+        }
+        if let Ok(t) = self.meta.flush(None) {
+            if let Err(e) = t.wait() {
+                log::error!("metadata flush at unmount: {e}");
+            }
+        }
+        // Orphans still open here stay in etcd with our session; once the session is
+        // closed they are dead and the next mount (of any node) reclaims them.
+        let session = lock(&self.session).take();
+        if let Some(s) = session {
+            match Arc::try_unwrap(s) {
+                Ok(s) => {
+                    if let Err(e) = run_read(&self.meta, move |_, _| {
+                        Box::pin(async move { s.close().await })
+                    }) {
+                        log::warn!("closing the session: {e}");
+                    }
+                }
+                Err(_) => log::warn!("session still referenced at unmount; leaving it to expire"),
+            }
+        }
+        if let Some(p) = lock(&self.pipeline).take() {
+            p.shutdown();
+        }
+    }
+}
+
+fn reply_write(n: u64) -> Result<Done, Errno> {
+    let mut b = vec![0u8; 8];
+    let k = reply::write(&mut b, u32::try_from(n).unwrap_or(u32::MAX)).ok_or(Errno::EIO)?;
+    b.truncate(k);
+    Ok(Done::Bytes(b))
+}
+
+fn sized(data: Vec<u8>, size: u32) -> Result<Done, Errno> {
+    let len = u32::try_from(data.len()).map_err(|_| Errno::E2BIG)?;
+    if size == 0 {
+        let mut b = vec![0u8; 8];
+        let n = reply::xattr_size(&mut b, len).ok_or(Errno::EIO)?;
+        b.truncate(n);
+        return Ok(Done::Bytes(b));
+    }
+    if size < len {
+        return Err(Errno::ERANGE);
+    }
+    Ok(Done::Bytes(data))
+}
+
+/// Encoded free maps of `groups` for etcd.
+fn encode_maps(a: &Allocator, groups: &BTreeSet<AgId>) -> Vec<(GroupId, Vec<u8>)> {
+    groups
+        .iter()
+        .filter_map(|g| a.group(*g).map(|m| (GroupId(g.0), m.encode())))
+        .collect()
+}
+
+fn to_meta_extent(e: &FileExtent) -> meta::codec::Extent {
+    meta::codec::Extent {
+        file_off: e.file_off,
+        len: e.len,
+        dev_off: e.dev_off,
+        unwritten: e.unwritten,
+    }
+}
+
+/// Merges neighbours that are contiguous in the file and on the device with the same
+/// state (fewer extent keys).
+fn merge_extents(v: &[FileExtent]) -> Vec<FileExtent> {
+    let mut out: Vec<FileExtent> = Vec::with_capacity(v.len());
+    for e in v {
+        match out.last_mut() {
+            Some(l)
+                if l.file_off + l.len == e.file_off
+                    && l.dev_off + l.len == e.dev_off
+                    && l.unwritten == e.unwritten =>
+            {
+                l.len += e.len;
+            }
+            _ => out.push(*e),
+        }
+    }
+    out
+}
+
+/// The device offset of written data of the block at `file_off`, if any.
+fn written_block(extents: &[FileExtent], file_off: u64) -> Option<u64> {
+    extents
+        .iter()
+        .find(|e| e.file_off <= file_off && file_off < e.file_off + e.len)
+        .filter(|e| !e.unwritten)
+        .map(|e| e.dev_off + (file_off - e.file_off))
+}
+
+/// The block-aligned file range a read of `len` at `off` covers, clipped to EOF.
+fn aligned_range(off: u64, len: u64, size: u64) -> (u64, u64) {
+    let end = off.saturating_add(len).min(size);
+    let a_off = off - off % BLOCK_SIZE;
+    (a_off, end.next_multiple_of(BLOCK_SIZE) - a_off)
+}
+
+/// Builds the READ reply plan: block-aligned device segments and zeros covering
+/// `[off, off + len)` clipped at EOF; `skip` drops the head of an unaligned request.
+/// Bytes past EOF in the last block are zeros on the device (an fs invariant), so the
+/// aligned tail is harmless.
+pub(crate) fn build_read(
+    extents: &[FileExtent],
+    size: u64,
+    off: u64,
+    len: u64,
+    fd: RawFd,
+) -> Result<ReadPlan, dplan::PlanError> {
+    let end = off.saturating_add(len).min(size);
+    if off >= end {
+        return Ok(ReadPlan::default());
+    }
+    let (a_off, a_len) = aligned_range(off, len, size);
+    let spans = dplan::plan_read(extents, size.next_multiple_of(BLOCK_SIZE), a_off, a_len)?;
+    let segments = spans
+        .iter()
+        .map(|s| match *s {
+            ReadSpan::Device { dev_off, len } => Segment::Device {
+                fd,
+                offset: dev_off,
+                len: len as usize,
+            },
+            ReadSpan::Zero { len } => Segment::Zero { len: len as usize },
+        })
+        .collect();
+    Ok(ReadPlan {
+        segments,
+        skip: (off - a_off) as usize,
+        len: (end - off) as usize,
+    })
+}
+
+/// Executes a read plan here (memory device, or a plan larger than the reply buffer).
+fn exec_read(io: &mut dyn BlockDev, plan: &ReadPlan) -> Result<Vec<u8>, Errno> {
+    let mut data = Vec::with_capacity(plan.total());
+    for s in &plan.segments {
+        match *s {
+            Segment::Zero { len } => data.resize(data.len() + len, 0),
+            Segment::Device { offset, len, .. } => {
+                let mut buf = AlignedBuf::new(len);
+                io.read_at(&mut buf, offset).map_err(|e| errno::dev(&e))?;
+                data.extend_from_slice(&buf[..len]);
+            }
+        }
+    }
+    let end = (plan.skip + plan.len).min(data.len());
+    Ok(data.get(plan.skip..end).unwrap_or_default().to_vec())
+}
+
+/// SEEK_DATA: the first offset at or after `off` inside written data (unwritten extents
+/// read as zeros and count as holes, as on ext4 without dirty pages).
+fn seek_data(extents: &[FileExtent], off: u64, size: u64) -> Option<u64> {
+    extents
+        .iter()
+        .filter(|e| !e.unwritten && e.file_off + e.len > off)
+        .map(|e| e.file_off.max(off))
+        .find(|&p| p < size)
+}
+
+/// SEEK_HOLE: the first offset at or after `off` not in written data (EOF at the latest).
+fn seek_hole(extents: &[FileExtent], off: u64, size: u64) -> u64 {
+    let mut pos = off;
+    for e in extents.iter().filter(|e| !e.unwritten) {
+        if e.file_off > pos {
+            break;
+        }
+        if e.file_off + e.len > pos {
+            pos = e.file_off + e.len;
+        }
+    }
+    pos.min(size)
+}
+
+fn wire_time(sec: u64, nsec: u32) -> Result<Timespec, Errno> {
+    let t = Timespec::new(sec as i64, nsec);
+    if t.is_valid() {
+        Ok(t)
+    } else {
+        Err(Errno::EINVAL)
+    }
+}
+
+/// The FUSE attributes of an inode. `blocks` (512-byte units) when known from the extent
+/// map; otherwise the size rounded up to blocks.
+fn fuse_attr(a: &InodeAttr, blocks: Option<u64>) -> Attr {
+    Attr {
+        ino: a.ino.0,
+        size: a.size,
+        blocks: blocks.unwrap_or_else(|| a.size.next_multiple_of(BLOCK_SIZE) / 512),
+        atime: a.atime.sec as u64,
+        mtime: a.mtime.sec as u64,
+        ctime: a.ctime.sec as u64,
+        atimensec: a.atime.nsec,
+        mtimensec: a.mtime.nsec,
+        ctimensec: a.ctime.nsec,
+        mode: a.mode(),
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev as u32,
+        blksize: BLOCK_SIZE as u32,
+        flags: 0,
+    }
+}
+
+/// Names a directory accepts: 1..=255 bytes without '/' or NUL.
+fn check_name(name: &[u8]) -> Result<(), Errno> {
+    if name.len() > NAME_MAX {
+        return Err(Errno::ENAMETOOLONG);
+    }
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(Errno::EINVAL);
+    }
+    Ok(())
+}
+
+fn check_xattr_name(name: &[u8]) -> Result<(), Errno> {
+    if name.is_empty() {
+        return Err(Errno::EINVAL);
+    }
+    if name.len() > XATTR_NAME_LEN_MAX {
+        return Err(Errno::ERANGE);
+    }
+    Ok(())
+}
+
+fn file_type_of(mode: u32) -> Result<FileType, Errno> {
+    Ok(match mode & libc::S_IFMT {
+        libc::S_IFREG | 0 => FileType::Regular,
+        libc::S_IFCHR => FileType::CharDev,
+        libc::S_IFBLK => FileType::BlockDev,
+        libc::S_IFIFO => FileType::Fifo,
+        libc::S_IFSOCK => FileType::Socket,
+        _ => return Err(Errno::EINVAL),
+    })
+}
+
+/// Copies an answer into the reply buffer (synchronous path).
+fn to_reply(r: Result<Done, Errno>, out: &mut [u8]) -> Reply {
+    match r {
+        Ok(Done::Bytes(b)) => match reply::put_bytes(out, &b) {
+            Some(n) => Reply::Bytes(n),
+            None => Reply::Error(Errno::EIO),
+        },
+        Ok(Done::Empty) => Reply::Bytes(0),
+        Ok(Done::Read(p)) => Reply::Read(p),
+        Err(e) => Reply::Error(e),
+    }
+}
+
+impl EtcFs {
+    /// Runs `f` on a waiter when the reply can be deferred, else inline.
+    fn offload<F>(&self, ctx: &RequestCtx<'_>, out: &mut [u8], f: F) -> Reply
+    where
+        F: FnOnce(&Inner) -> Result<Done, Errno> + Send + 'static,
+    {
+        match ctx.defer() {
+            Some(d) => {
+                self.pool.run(d, f);
+                Reply::Deferred
+            }
+            None => to_reply(f(&self.inner), out),
+        }
+    }
+
+    fn dispatch(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
+        let h = req.header;
+        let ino = h.nodeid;
+        match req.op {
+            Operation::Lookup { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.lookup(ino, &name))
+            }
+            // No per-inode table to shrink: see the module docs.
+            Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
+            Operation::Getattr { .. } => {
+                if let Some((a, b)) = self.inner.files.cached_attr(ino) {
+                    return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
+                }
+                self.offload(ctx, out, move |i| i.getattr(ino))
+            }
+            Operation::Setattr(a) => self.offload(ctx, out, move |i| i.setattr(ino, &a)),
+            Operation::Readlink => self.offload(ctx, out, move |i| i.readlink(ino)),
+            Operation::Symlink { name, target } => {
+                let (name, target) = (name.to_vec(), target.to_vec());
+                self.offload(ctx, out, move |i| {
+                    if target.is_empty() || target.len() > meta::types::SYMLINK_LEN_MAX {
+                        return Err(Errno::ENAMETOOLONG);
+                    }
+                    let a =
+                        i.make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target))?;
+                    Ok(done_bytes(&i.entry_out(&a, None)))
+                })
+            }
+            Operation::Mknod {
+                name,
+                mode,
+                rdev,
+                umask,
+            } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    let kind = file_type_of(mode)?;
+                    let a =
+                        i.make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None)?;
+                    Ok(done_bytes(&i.entry_out(&a, None)))
+                })
+            }
+            Operation::Mkdir { name, mode, umask } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    let a =
+                        i.make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None)?;
+                    Ok(done_bytes(&i.entry_out(&a, None)))
+                })
+            }
+            Operation::Unlink { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.unlink(ino, &name, false))
+            }
+            Operation::Rmdir { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.unlink(ino, &name, true))
+            }
+            Operation::Rename {
+                newdir,
+                name,
+                newname,
+                flags,
+            } => {
+                let (name, newname) = (name.to_vec(), newname.to_vec());
+                self.offload(ctx, out, move |i| {
+                    i.rename(ino, &name, newdir, &newname, flags)
+                })
+            }
+            Operation::Link { oldnodeid, name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.link(oldnodeid, ino, &name))
+            }
+            Operation::Open { flags, .. } => {
+                self.offload(ctx, out, move |i| i.open_file(ino, flags, false))
+            }
+            Operation::Opendir { .. } => self.offload(ctx, out, move |i| i.open_file(ino, 0, true)),
+            Operation::Read { offset, size, .. } => {
+                // Fast path: the extent map is cached and nobody holds the file.
+                if let Some(r) = self.read_fast(ino, offset, size, out) {
+                    return r;
+                }
+                let out_len = out.len();
+                self.offload(ctx, out, move |i| i.read(ino, offset, size, out_len))
+            }
+            Operation::Write {
+                offset,
+                data,
+                write_flags,
+                ..
+            } => {
+                // The data is copied once, here, out of the transport's buffer; the
+                // waiter builds the aligned device image from it.
+                let data = data.to_vec();
+                let kill = write_flags & abi::FUSE_WRITE_KILL_SUIDGID != 0;
+                self.offload(ctx, out, move |i| i.write(ino, offset, &data, kill))
+            }
+            Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
+            Operation::Release { .. } => self.offload(ctx, out, move |i| {
+                i.release_file(ino);
+                Ok(Done::Empty)
+            }),
+            Operation::Releasedir { fh } => {
+                self.inner.release_dir(fh);
+                Reply::Bytes(0)
+            }
+            Operation::Flush { .. } => {
+                if !self.inner.files.has_dirty_mtime(ino) {
+                    return Reply::Bytes(0);
+                }
+                self.offload(ctx, out, move |i| {
+                    i.flush_mtime(ino);
+                    Ok(Done::Empty)
+                })
+            }
+            Operation::Fsync { .. } => self.offload(ctx, out, move |i| i.fsync(ino, false)),
+            Operation::Fsyncdir { .. } => self.offload(ctx, out, move |i| i.fsync(ino, true)),
+            Operation::Syncfs => self.offload(ctx, out, move |i| {
+                for f in i.files.all() {
+                    i.flush_mtime(f);
+                }
+                i.fsync(FUSE_ROOT_ID, false)
+            }),
+            Operation::Setxattr { name, value, flags } => {
+                let (name, value) = (name.to_vec(), value.to_vec());
+                self.offload(ctx, out, move |i| i.setxattr(ino, &name, &value, flags))
+            }
+            Operation::Getxattr { name, size } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.getxattr(ino, &name, size))
+            }
+            Operation::Listxattr { size } => {
+                self.offload(ctx, out, move |i| i.listxattr(ino, size))
+            }
+            Operation::Removexattr { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.removexattr(ino, &name))
+            }
+            Operation::Readdir {
+                fh, offset, size, ..
+            } => self.offload(ctx, out, move |i| i.readdir(ino, fh, offset, size, false)),
+            Operation::Readdirplus {
+                fh, offset, size, ..
+            } => self.offload(ctx, out, move |i| i.readdir(ino, fh, offset, size, true)),
+            Operation::Create {
+                name,
+                flags,
+                mode,
+                umask,
+                ..
+            } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.create(&h, &name, flags, mode & !umask))
+            }
+            Operation::Fallocate {
+                offset,
+                length,
+                mode,
+                ..
+            } => self.offload(ctx, out, move |i| i.fallocate(ino, offset, length, mode)),
+            Operation::Lseek { offset, whence, .. } => {
+                self.offload(ctx, out, move |i| i.lseek(ino, offset, whence))
+            }
+            Operation::Interrupt { .. } | Operation::NotifyReply { .. } => Reply::None,
+            Operation::Destroy => {
+                self.destroy();
+                Reply::Bytes(0)
+            }
+            // ENOSYS, remembered by the kernel: permission checks are the kernel's
+            // (default_permissions), STATX falls back to GETATTR, COPY_FILE_RANGE to
+            // read+write, TMPFILE to create+unlink; locks stay node-local for now.
+            Operation::Access { .. }
+            | Operation::Statx { .. }
+            | Operation::CopyFileRange { .. }
+            | Operation::Tmpfile { .. }
+            | Operation::Getlk { .. }
+            | Operation::Setlk { .. }
+            | Operation::Setlkw { .. }
+            | Operation::Poll { .. }
+            | Operation::Ioctl { .. }
+            | Operation::Bmap { .. }
+            | Operation::SetupMapping
+            | Operation::RemoveMapping
+            | Operation::Init(_)
+            | Operation::Unknown { .. } => Reply::Error(Errno::ENOSYS),
+        }
+    }
+
+    /// READ on the core when the file's map is cached and its lock is free: no etcd.
+    fn read_fast(&self, ino: u64, off: u64, size: u32, out: &mut [u8]) -> Option<Reply> {
+        let st = self.inner.files.get(ino)?;
+        let f = st.try_lock()?;
+        let fsize = f.attr.size;
+        if off >= fsize || size == 0 {
+            return Some(Reply::Bytes(0));
+        }
+        let (a_off, a_len) = aligned_range(off, u64::from(size), fsize);
+        let extents = files::overlapping(f.extents.as_ref()?, a_off, a_len).to_vec();
+        drop(f);
+        Some(to_reply(
+            self.inner.read_done(&extents, fsize, off, size, out.len()),
+            out,
+        ))
+    }
+}
+
+impl Handler for EtcFs {
+    fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
+        self.dispatch(ctx, req, out)
+    }
+
+    fn destroy(&self) {
+        self.pool.drain();
+        self.inner.shutdown();
+        if let Some(h) = lock(&self.housekeeping).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for EtcFs {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}
+
+trait ReadFrom {
+    fn read_from(b: &[u8]) -> Self;
+}
+
+impl ReadFrom for OpenOut {
+    fn read_from(b: &[u8]) -> Self {
+        use fusedev::abi::FromBytes;
+        OpenOut::read_from_prefix(b)
+            .map(|(o, _)| o)
+            .unwrap_or(OpenOut {
+                fh: 0,
+                open_flags: 0,
+                backing_id: 0,
+            })
+    }
+}
+
+#[cfg(test)]
+mod helper_tests {
+    use super::*;
+
+    const B: u64 = BLOCK_SIZE;
+
+    fn ext(f: u64, n: u64, d: u64, unwritten: bool) -> FileExtent {
+        FileExtent {
+            file_off: f * B,
+            len: n * B,
+            dev_off: d * B,
+            unwritten,
+        }
+    }
+
+    #[test]
+    fn read_plan_is_block_aligned_with_skip() {
+        let map = [ext(0, 2, 300, false), ext(3, 1, 400, false)];
+        let size = 3 * B + 100;
+        let p = build_read(&map, size, 10, 4 * B, 7).unwrap();
+        assert_eq!(p.skip, 10);
+        assert_eq!(p.len, (size - 10) as usize);
+        assert_eq!(
+            p.segments,
+            vec![
+                Segment::Device {
+                    fd: 7,
+                    offset: 300 * B,
+                    len: 2 * B as usize
+                },
+                Segment::Zero { len: B as usize },
+                Segment::Device {
+                    fd: 7,
+                    offset: 400 * B,
+                    len: B as usize
+                },
+            ]
+        );
+        for s in &p.segments {
+            if let Segment::Device { offset, len, .. } = *s {
+                assert_eq!(offset % B, 0);
+                assert_eq!(len as u64 % B, 0);
+            }
+        }
+        assert_eq!(
+            build_read(&map, size, size, 10, 7).unwrap(),
+            ReadPlan::default()
+        );
+    }
+
+    #[test]
+    fn seek_data_and_hole() {
+        let map = [
+            ext(2, 2, 300, false),
+            ext(4, 1, 50, true),
+            ext(6, 1, 9, false),
+        ];
+        let size = 8 * B;
+        assert_eq!(seek_data(&map, 0, size), Some(2 * B));
+        assert_eq!(seek_data(&map, 3 * B, size), Some(3 * B));
+        assert_eq!(seek_data(&map, 4 * B, size), Some(6 * B));
+        assert_eq!(seek_data(&map, 7 * B, size), None);
+        assert_eq!(seek_hole(&map, 0, size), 0);
+        assert_eq!(seek_hole(&map, 2 * B, size), 4 * B);
+        assert_eq!(seek_hole(&map, 6 * B + 1, size), 7 * B);
+        assert_eq!(seek_hole(&[ext(0, 8, 1, false)], 0, 8 * B - 5), 8 * B - 5);
+    }
+
+    #[test]
+    fn merge_and_names() {
+        let m = merge_extents(&[
+            ext(0, 1, 10, false),
+            ext(1, 2, 11, false),
+            ext(3, 1, 20, false),
+        ]);
+        assert_eq!(m, vec![ext(0, 3, 10, false), ext(3, 1, 20, false)]);
+        assert_eq!(check_name(&[b'a'; 256]), Err(Errno::ENAMETOOLONG));
+        assert_eq!(check_name(b"a/b"), Err(Errno::EINVAL));
+        assert!(check_name(&[b'a'; 255]).is_ok());
+        assert_eq!(check_xattr_name(&[b'a'; 256]), Err(Errno::ERANGE));
+        assert_eq!(file_type_of(libc::S_IFDIR), Err(Errno::EINVAL));
+        assert_eq!(file_type_of(0), Ok(FileType::Regular));
+    }
+}
