@@ -1,1 +1,637 @@
+//! EtcFs driven through `Handler::handle` with encoded requests, on meta's in-memory etcd
+//! model and an in-memory device (contexts that cannot defer: every operation runs inline).
 
+use std::{path::Path, sync::Arc, time::Duration};
+
+use fusedev::{
+    abi::{
+        AttrOut, Dirent, EntryOut, FromBytes, GetxattrOut, Kstatfs, LseekOut, OpenOut, SetattrIn,
+        WriteOut, FATTR_MODE, FATTR_MTIME, FATTR_SIZE, FUSE_ROOT_ID, RENAME_EXCHANGE,
+        RENAME_NOREPLACE, XATTR_CREATE, XATTR_REPLACE,
+    },
+    errno::Errno,
+    request::{self, Operation, Request},
+    server::{Handler, Reply, RequestCtx},
+};
+use meta::{
+    clock::SystemClock,
+    keys::Keyspace,
+    kv::KvBackend,
+    model::MemEtcd,
+    pipeline::Pipeline,
+    session::SessionConfig,
+    types::SessionId,
+};
+
+use super::{connect_backend, mkfs_on, pipeline_config, Dev, EtcFs};
+use crate::data::{device::mem::MemDev, BLOCK_SIZE};
+
+const ROOT: u64 = FUSE_ROOT_ID;
+/// 16 MiB device with 64-block (256 KiB) groups: 59 groups, 2 claimed at mount, more on
+/// demand.
+const DEV_BYTES: u64 = 16 << 20;
+const AG_BLOCKS: u64 = 64;
+
+fn parse<T: FromBytes>(b: &[u8]) -> T {
+    T::read_from_prefix(b).expect("reply too short").0
+}
+
+struct Fx {
+    fs: EtcFs,
+    kv: Arc<MemEtcd>,
+    dev: MemDev,
+    out: Vec<u8>,
+    unique: u64,
+}
+
+fn format(kv: &Arc<MemEtcd>, dev: &MemDev, force: bool) -> anyhow::Result<super::MkfsReport> {
+    let clock = Arc::new(SystemClock::new());
+    let p = Pipeline::start(
+        connect_backend(kv.clone() as Arc<dyn KvBackend>),
+        Keyspace::new("t").unwrap(),
+        SessionId(u64::MAX),
+        clock,
+        pipeline_config(),
+    )
+    .unwrap();
+    mkfs_on(
+        &p.client(),
+        &mut dev.clone(),
+        Path::new("/dev/mem0"),
+        "t",
+        AG_BLOCKS,
+        force,
+    )
+}
+
+fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
+    let clock = Arc::new(SystemClock::new());
+    let (p, s) = Pipeline::start_with_session(
+        connect_backend(kv.clone() as Arc<dyn KvBackend>),
+        Keyspace::new("t").unwrap(),
+        SessionConfig::new("test"),
+        clock,
+        pipeline_config(),
+    )
+    .unwrap();
+    EtcFs::open_with(
+        p,
+        s,
+        Dev::Mem(dev.clone()),
+        Duration::from_secs(1),
+        Duration::from_secs(1),
+    )
+    .unwrap()
+}
+
+impl Fx {
+    fn new() -> Fx {
+        let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+        let dev = MemDev::new(DEV_BYTES);
+        format(&kv, &dev, false).unwrap();
+        let fs = mount(&kv, &dev);
+        Fx {
+            fs,
+            kv,
+            dev,
+            out: vec![0; 2 << 20],
+            unique: 1,
+        }
+    }
+
+    fn call(&mut self, nodeid: u64, op: Operation<'_>) -> Reply {
+        let mut req = Request::new(self.unique, nodeid, op);
+        req.header.uid = 1000;
+        req.header.gid = 100;
+        self.unique += 1;
+        let mut bytes = Vec::new();
+        req.encode(&mut bytes);
+        let decoded = request::decode(&bytes).expect("test request decodes");
+        self.fs.handle(&RequestCtx::new(0), &decoded, &mut self.out)
+    }
+
+    fn ok(&mut self, nodeid: u64, op: Operation<'_>) -> Vec<u8> {
+        let d = format!("{op:?}");
+        match self.call(nodeid, op) {
+            Reply::Bytes(n) => self.out[..n].to_vec(),
+            other => panic!("{d}: expected bytes, got {other:?}"),
+        }
+    }
+
+    fn err(&mut self, nodeid: u64, op: Operation<'_>) -> Errno {
+        let d = format!("{op:?}");
+        match self.call(nodeid, op) {
+            Reply::Error(e) => e,
+            other => panic!("{d}: expected an error, got {other:?}"),
+        }
+    }
+
+    fn entry(&mut self, nodeid: u64, op: Operation<'_>) -> EntryOut {
+        parse(&self.ok(nodeid, op))
+    }
+
+    fn lookup(&mut self, parent: u64, name: &[u8]) -> EntryOut {
+        self.entry(parent, Operation::Lookup { name })
+    }
+
+    fn mkdir(&mut self, parent: u64, name: &[u8]) -> u64 {
+        self.entry(
+            parent,
+            Operation::Mkdir {
+                name,
+                mode: 0o755,
+                umask: 0o022,
+            },
+        )
+        .nodeid
+    }
+
+    /// Creates and opens a file: (ino, fh).
+    fn create(&mut self, parent: u64, name: &[u8]) -> (u64, u64) {
+        let b = self.ok(
+            parent,
+            Operation::Create {
+                name,
+                flags: libc::O_RDWR as u32,
+                mode: 0o644,
+                umask: 0o022,
+                open_flags: 0,
+            },
+        );
+        let e: EntryOut = parse(&b);
+        let o: OpenOut = parse(&b[size_of::<EntryOut>()..]);
+        (e.nodeid, o.fh)
+    }
+
+    fn open(&mut self, ino: u64) -> u64 {
+        let o: OpenOut = parse(&self.ok(
+            ino,
+            Operation::Open {
+                flags: libc::O_RDWR as u32,
+                open_flags: 0,
+            },
+        ));
+        o.fh
+    }
+
+    fn release(&mut self, ino: u64, fh: u64) {
+        self.ok(
+            ino,
+            Operation::Release {
+                fh,
+                flags: 0,
+                release_flags: 0,
+                lock_owner: 0,
+            },
+        );
+    }
+
+    fn write(&mut self, ino: u64, fh: u64, offset: u64, data: &[u8]) {
+        let w: WriteOut = parse(&self.ok(
+            ino,
+            Operation::Write {
+                fh,
+                offset,
+                data,
+                write_flags: 0,
+                flags: 0,
+            },
+        ));
+        assert_eq!(w.size as usize, data.len());
+    }
+
+    fn read(&mut self, ino: u64, fh: u64, offset: u64, size: u32) -> Vec<u8> {
+        self.ok(
+            ino,
+            Operation::Read {
+                fh,
+                offset,
+                size,
+                flags: 0,
+            },
+        )
+    }
+
+    fn getattr(&mut self, ino: u64) -> AttrOut {
+        parse(&self.ok(ino, Operation::Getattr { fh: None }))
+    }
+
+    fn names(&mut self, dir: u64) -> Vec<(Vec<u8>, u64)> {
+        let o: OpenOut = parse(&self.ok(dir, Operation::Opendir { flags: 0 }));
+        let mut out = Vec::new();
+        let mut offset = 0;
+        loop {
+            // A small buffer so the listing takes several calls.
+            let b = self.ok(
+                dir,
+                Operation::Readdir {
+                    fh: o.fh,
+                    offset,
+                    size: 200,
+                },
+            );
+            if b.is_empty() {
+                break;
+            }
+            let mut at = 0;
+            while at < b.len() {
+                let d: Dirent = parse(&b[at..]);
+                let name = b[at + 24..at + 24 + d.namelen as usize].to_vec();
+                out.push((name, d.off));
+                offset = d.off;
+                at += (24 + d.namelen as usize).next_multiple_of(8);
+            }
+        }
+        self.ok(dir, Operation::Releasedir { fh: o.fh });
+        out
+    }
+
+    fn statfs(&mut self) -> Kstatfs {
+        parse(&self.ok(ROOT, Operation::Statfs))
+    }
+
+    fn truncate(&mut self, ino: u64, size: u64) -> AttrOut {
+        let a = SetattrIn {
+            valid: FATTR_SIZE,
+            size,
+            ..SetattrIn::default()
+        };
+        parse(&self.ok(ino, Operation::Setattr(a)))
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| seed.wrapping_add((i % 251) as u8))
+        .collect()
+}
+
+#[test]
+fn mkfs_refuses_a_formatted_prefix_and_device() {
+    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let dev = MemDev::new(DEV_BYTES);
+    let r = format(&kv, &dev, false).unwrap();
+    assert_eq!(r.block_size, 4096);
+    assert!(r.groups > 2);
+    let e = format(&kv, &dev, false).unwrap_err().to_string();
+    assert!(e.contains("already holds"), "{e}");
+    // Another etcd, same device: the device refuses.
+    let kv2 = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let e = format(&kv2, &dev, false).unwrap_err().to_string();
+    assert!(e.contains("already holds"), "{e}");
+    format(&kv, &dev, true).unwrap();
+}
+
+#[test]
+fn wrong_device_names_both_uuids() {
+    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let dev = MemDev::new(DEV_BYTES);
+    format(&kv, &dev, false).unwrap();
+    let kv2 = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let other = MemDev::new(DEV_BYTES);
+    format(&kv2, &other, false).unwrap();
+    let (p, s) = Pipeline::start_with_session(
+        connect_backend(kv.clone() as Arc<dyn KvBackend>),
+        Keyspace::new("t").unwrap(),
+        SessionConfig::new("test"),
+        Arc::new(SystemClock::new()),
+        pipeline_config(),
+    )
+    .unwrap();
+    let e = EtcFs::open_with(p, s, Dev::Mem(other), Duration::ZERO, Duration::ZERO)
+        .err()
+        .expect("wrong device refused")
+        .to_string();
+    assert!(e.contains("holds filesystem") && e.contains("etcd prefix holds"), "{e}");
+}
+
+#[test]
+fn namespace_ops() {
+    let mut fx = Fx::new();
+    let d = fx.mkdir(ROOT, b"d");
+    assert_eq!(fx.lookup(ROOT, b"d").nodeid, d);
+    assert_eq!(fx.getattr(d).attr.mode & libc::S_IFMT, libc::S_IFDIR);
+    assert_eq!(fx.getattr(ROOT).attr.nlink, 3);
+    // Missing names are negative entries (ino 0) the kernel may cache.
+    assert_eq!(fx.lookup(ROOT, b"nope").nodeid, 0);
+    assert_eq!(
+        fx.err(ROOT, Operation::Lookup { name: &[b'x'; 256] }),
+        Errno::ENAMETOOLONG
+    );
+    assert_eq!(
+        fx.err(
+            ROOT,
+            Operation::Mkdir {
+                name: b"d",
+                mode: 0o755,
+                umask: 0
+            }
+        ),
+        Errno::EEXIST
+    );
+    let mut want = Vec::new();
+    for i in 0..30 {
+        let name = format!("f{i:02}");
+        let (ino, fh) = fx.create(d, name.as_bytes());
+        fx.release(ino, fh);
+        want.push(name.into_bytes());
+    }
+    let got = fx.names(d);
+    assert_eq!(got[0].0, b".");
+    assert_eq!(got[1].0, b"..");
+    let names: Vec<Vec<u8>> = got[2..].iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(names, want);
+    assert_eq!(
+        fx.err(ROOT, Operation::Rmdir { name: b"d" }),
+        Errno::ENOTEMPTY
+    );
+    assert_eq!(fx.err(ROOT, Operation::Unlink { name: b"d" }), Errno::EISDIR);
+    for n in &want {
+        fx.ok(d, Operation::Unlink { name: n });
+    }
+    assert_eq!(fx.err(d, Operation::Unlink { name: b"f00" }), Errno::ENOENT);
+    fx.ok(ROOT, Operation::Rmdir { name: b"d" });
+    assert_eq!(fx.lookup(ROOT, b"d").nodeid, 0);
+}
+
+#[test]
+fn readdir_offsets_survive_changes() {
+    let mut fx = Fx::new();
+    for n in [&b"a"[..], b"b", b"c", b"d"] {
+        let (i, fh) = fx.create(ROOT, n);
+        fx.release(i, fh);
+    }
+    let o: OpenOut = parse(&fx.ok(ROOT, Operation::Opendir { flags: 0 }));
+    let all = fx.names(ROOT);
+    let b_cookie = all.iter().find(|(n, _)| n == b"b").unwrap().1;
+    // Remove "b" and add "bb" after reading past "b": resuming at b's cookie continues
+    // with the names after "b".
+    fx.ok(ROOT, Operation::Unlink { name: b"b" });
+    let (i, fh) = fx.create(ROOT, b"bb");
+    fx.release(i, fh);
+    let b = fx.ok(
+        ROOT,
+        Operation::Readdir {
+            fh: o.fh,
+            offset: b_cookie,
+            size: 4096,
+        },
+    );
+    let d: Dirent = parse(&b);
+    assert_eq!(&b[24..24 + d.namelen as usize], b"bb");
+}
+
+#[test]
+fn write_read_truncate_and_space() {
+    let mut fx = Fx::new();
+    let free0 = fx.statfs().bfree;
+    let (ino, fh) = fx.create(ROOT, b"f");
+    let data = pattern(7, 300_000);
+    fx.write(ino, fh, 100, &data);
+    assert_eq!(fx.getattr(ino).attr.size, 300_100);
+    // Unaligned reads, the hole before the data, and EOF.
+    assert_eq!(fx.read(ino, fh, 0, 100), vec![0u8; 100]);
+    assert_eq!(fx.read(ino, fh, 100, 300_000), data);
+    assert_eq!(fx.read(ino, fh, 5000, 10), data[4900..4910].to_vec());
+    assert_eq!(fx.read(ino, fh, 300_090, 100).len(), 10);
+    assert!(fx.read(ino, fh, 400_000, 100).is_empty());
+    // Overwrite in place (no allocation), and a sparse write far away.
+    fx.write(ino, fh, 4096, b"hello");
+    assert_eq!(fx.read(ino, fh, 4094, 9), [&data[3994..3996], b"hello", &data[4001..4003]].concat());
+    fx.write(ino, fh, 1 << 20, b"tail");
+    assert_eq!(fx.read(ino, fh, 600_000, 8), vec![0; 8]);
+    assert_eq!(fx.read(ino, fh, 1 << 20, 10), b"tail");
+    let used = free0 - fx.statfs().bfree;
+    assert_eq!(used, 300_100u64.div_ceil(BLOCK_SIZE) + 1);
+    fx.ok(ino, Operation::Fsync { fh, datasync: false });
+
+    // A fresh mount reads the same bytes from etcd's map and the device.
+    fx.release(ino, fh);
+    let fh = fx.open(ino);
+    assert_eq!(fx.read(ino, fh, 100, 300_000), data);
+
+    // Truncate down to an unaligned size: the tail of the EOF block reads zeros after
+    // growing again; space comes back.
+    assert_eq!(fx.truncate(ino, 5000).attr.size, 5000);
+    assert_eq!(fx.statfs().bfree, free0 - 2);
+    fx.truncate(ino, 9000);
+    assert_eq!(fx.read(ino, fh, 4990, 20), [&data[4890..4900], &[0u8; 10][..]].concat());
+    fx.truncate(ino, 0);
+    assert_eq!(fx.statfs().bfree, free0);
+    // Write past EOF leaves zeros between.
+    fx.write(ino, fh, 0, b"abc");
+    fx.write(ino, fh, 10, b"xyz");
+    assert_eq!(fx.read(ino, fh, 0, 100), b"abc\0\0\0\0\0\0\0xyz");
+    fx.release(ino, fh);
+    fx.ok(ROOT, Operation::Unlink { name: b"f" });
+    assert_eq!(fx.statfs().bfree, free0);
+}
+
+#[test]
+fn reads_use_the_cached_map_and_device_not_etcd() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(1, 8192));
+    let txns = fx.kv.txn_count();
+    let before = fx.dev.stats().reads;
+    for _ in 0..10 {
+        assert_eq!(fx.read(ino, fh, 0, 8192), pattern(1, 8192));
+    }
+    // Overwrites of written blocks: no etcd round trip either.
+    fx.write(ino, fh, 0, &pattern(2, 4096));
+    assert_eq!(fx.kv.txn_count(), txns);
+    assert!(fx.dev.stats().reads > before);
+}
+
+#[test]
+fn enospc_when_full_and_space_returns() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"big");
+    let chunk = vec![5u8; 1 << 20];
+    let mut off = 0;
+    let err = loop {
+        match fx.call(
+            ino,
+            Operation::Write {
+                fh,
+                offset: off,
+                data: &chunk,
+                write_flags: 0,
+                flags: 0,
+            },
+        ) {
+            Reply::Bytes(_) => off += chunk.len() as u64,
+            Reply::Error(e) => break e,
+            other => panic!("{other:?}"),
+        }
+        assert!(off < DEV_BYTES, "never ran out of space");
+    };
+    assert_eq!(err, Errno::ENOSPC);
+    assert!(off >= 12 << 20, "only {off} bytes fit");
+    fx.truncate(ino, 0);
+    assert_eq!(fx.statfs().bfree, fx.statfs().blocks);
+    fx.write(ino, fh, 0, &chunk);
+    fx.release(ino, fh);
+}
+
+#[test]
+fn rename_modes() {
+    let mut fx = Fx::new();
+    let a = fx.mkdir(ROOT, b"a");
+    let b = fx.mkdir(a, b"b");
+    let (f, fh) = fx.create(ROOT, b"f");
+    fx.release(f, fh);
+    let (g, fh) = fx.create(ROOT, b"g");
+    fx.release(g, fh);
+    let rn = |newdir, name: &'static [u8], newname: &'static [u8], flags| Operation::Rename {
+        newdir,
+        name,
+        newname,
+        flags,
+    };
+    assert_eq!(fx.err(ROOT, rn(ROOT, b"f", b"g", RENAME_NOREPLACE)), Errno::EEXIST);
+    fx.ok(ROOT, rn(ROOT, b"f", b"g", RENAME_EXCHANGE));
+    assert_eq!(fx.lookup(ROOT, b"g").nodeid, f);
+    assert_eq!(fx.lookup(ROOT, b"f").nodeid, g);
+    fx.ok(ROOT, rn(ROOT, b"f", b"g", 0));
+    assert_eq!(fx.lookup(ROOT, b"g").nodeid, g);
+    assert_eq!(fx.lookup(ROOT, b"f").nodeid, 0);
+    // A directory into its own subtree.
+    assert_eq!(fx.err(ROOT, rn(b, b"a", b"x", 0)), Errno::EINVAL);
+    fx.ok(a, rn(ROOT, b"b", b"b2", 0));
+    assert_eq!(fx.lookup(ROOT, b"b2").nodeid, b);
+    assert_eq!(fx.getattr(a).attr.nlink, 2);
+}
+
+#[test]
+fn links_symlinks_nodes_and_xattrs() {
+    let mut fx = Fx::new();
+    let (f, fh) = fx.create(ROOT, b"f");
+    fx.release(f, fh);
+    let e = fx.entry(f, Operation::Link { oldnodeid: f, name: b"h" });
+    assert_eq!(e.nodeid, f);
+    assert_eq!(e.attr.nlink, 2);
+    let s = fx.entry(ROOT, Operation::Symlink { name: b"s", target: b"/x/y" });
+    assert_eq!(fx.ok(s.nodeid, Operation::Readlink), b"/x/y");
+    let n = fx.entry(
+        ROOT,
+        Operation::Mknod {
+            name: b"fifo",
+            mode: libc::S_IFIFO | 0o600,
+            rdev: 0,
+            umask: 0,
+        },
+    );
+    assert_eq!(n.attr.mode & libc::S_IFMT, libc::S_IFIFO);
+    let c = fx.entry(
+        ROOT,
+        Operation::Mknod {
+            name: b"chr",
+            mode: libc::S_IFCHR | 0o600,
+            rdev: 0x0103,
+            umask: 0,
+        },
+    );
+    assert_eq!(c.attr.rdev, 0x0103);
+
+    let set = |name: &'static [u8], value: &'static [u8], flags| Operation::Setxattr {
+        name,
+        value,
+        flags,
+    };
+    fx.ok(f, set(b"user.a", b"1", 0));
+    assert_eq!(fx.err(f, set(b"user.a", b"2", XATTR_CREATE)), Errno::EEXIST);
+    assert_eq!(fx.err(f, set(b"user.b", b"2", XATTR_REPLACE)), Errno::ENODATA);
+    fx.ok(f, set(b"user.a", b"22", XATTR_REPLACE));
+    let sz: GetxattrOut = parse(&fx.ok(f, Operation::Getxattr { name: b"user.a", size: 0 }));
+    assert_eq!(sz.size, 2);
+    assert_eq!(fx.err(f, Operation::Getxattr { name: b"user.a", size: 1 }), Errno::ERANGE);
+    assert_eq!(fx.ok(f, Operation::Getxattr { name: b"user.a", size: 10 }), b"22");
+    fx.ok(f, set(b"user.b", b"", 0));
+    assert_eq!(fx.ok(f, Operation::Listxattr { size: 100 }), b"user.a\0user.b\0");
+    fx.ok(f, Operation::Removexattr { name: b"user.a" });
+    assert_eq!(fx.err(f, Operation::Removexattr { name: b"user.a" }), Errno::ENODATA);
+    let big = vec![0u8; 65537];
+    assert_eq!(
+        fx.err(f, Operation::Setxattr { name: b"user.c", value: &big, flags: 0 }),
+        Errno::E2BIG
+    );
+
+    // setattr: mode and an explicit mtime.
+    let a = SetattrIn {
+        valid: FATTR_MODE | FATTR_MTIME,
+        mode: 0o600,
+        mtime: 1_000_000,
+        mtimensec: 5,
+        ..SetattrIn::default()
+    };
+    let out: AttrOut = parse(&fx.ok(f, Operation::Setattr(a)));
+    assert_eq!(out.attr.mode & 0o7777, 0o600);
+    assert_eq!((out.attr.mtime, out.attr.mtimensec), (1_000_000, 5));
+}
+
+#[test]
+fn fallocate_punch_and_seek() {
+    let mut fx = Fx::new();
+    let free0 = fx.statfs().bfree;
+    let (ino, fh) = fx.create(ROOT, b"f");
+    let fa = |offset, length, mode| Operation::Fallocate {
+        fh,
+        offset,
+        length,
+        mode,
+    };
+    fx.ok(ino, fa(0, 64 << 10, 0));
+    assert_eq!(fx.getattr(ino).attr.size, 64 << 10);
+    assert_eq!(fx.statfs().bfree, free0 - 16);
+    assert_eq!(fx.read(ino, fh, 0, 100), vec![0u8; 100]);
+    fx.write(ino, fh, 8192, &pattern(3, 8192));
+    assert_eq!(fx.read(ino, fh, 8192, 8192), pattern(3, 8192));
+    // Punch the middle of the written range (unaligned edges are zeroed in place).
+    fx.ok(ino, fa(8192 + 100, 4096 + 200, 3));
+    let got = fx.read(ino, fh, 8192, 8192);
+    assert_eq!(&got[..100], &pattern(3, 8192)[..100]);
+    assert!(got[100..4096 + 300].iter().all(|&b| b == 0));
+    assert_eq!(&got[4096 + 300..], &pattern(3, 8192)[4096 + 300..]);
+    assert_eq!(fx.statfs().bfree, free0 - 15);
+    assert_eq!(fx.err(ino, fa(0, 10, 0x10)), Errno::EOPNOTSUPP);
+
+    let seek = |offset, whence| Operation::Lseek { fh, offset, whence };
+    let l: LseekOut = parse(&fx.ok(ino, seek(0, 3)));
+    assert_eq!(l.offset, 8192);
+    let l: LseekOut = parse(&fx.ok(ino, seek(8192, 4)));
+    assert_eq!(l.offset, 12288);
+    assert_eq!(fx.err(ino, seek(64 << 10, 3)), Errno::ENXIO);
+    fx.release(ino, fh);
+}
+
+#[test]
+fn unlinked_open_file_lives_until_last_close() {
+    let mut fx = Fx::new();
+    let free0 = fx.statfs().bfree;
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(9, 20_000));
+    fx.ok(ROOT, Operation::Unlink { name: b"f" });
+    assert_eq!(fx.lookup(ROOT, b"f").nodeid, 0);
+    assert_eq!(fx.read(ino, fh, 0, 20_000), pattern(9, 20_000));
+    assert_eq!(fx.getattr(ino).attr.nlink, 0);
+    fx.release(ino, fh);
+    assert_eq!(fx.err(ino, Operation::Getattr { fh: None }), Errno::ENOENT);
+    assert_eq!(fx.statfs().bfree, free0);
+}
+
+#[test]
+fn orphans_of_a_dead_session_are_reclaimed_at_mount() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(9, 20_000));
+    fx.ok(ROOT, Operation::Unlink { name: b"f" });
+    // "Crash": close the session without releasing the file (the orphan record stays).
+    fx.fs.inner().files.close(ino);
+    let (kv, dev) = (fx.kv.clone(), fx.dev.clone());
+    fx.fs.destroy();
+    let fs = mount(&kv, &dev);
+    let dump = kv.dump(b"t/O", b"t/P");
+    assert!(dump.is_empty(), "orphan left: {dump:?}");
+    drop(fs);
+}
