@@ -392,9 +392,11 @@ impl EtcFs {
         let sb = dmkfs::check(&mut *dev.io(), &dev_name, rec.uuid).map_err(|e| anyhow!("{e}"))?;
         dmkfs::agrees_with_meta(&sb, &rec, &dev_name).map_err(|e| anyhow!("{e}"))?;
         let session = Arc::new(session);
+        // A weak reference, so unmount can take the session back to close it.
         let alive = {
-            let s = session.clone();
-            Arc::new(move || s.is_alive()) as Arc<dyn Fn() -> bool + Send + Sync>
+            let s = Arc::downgrade(&session);
+            Arc::new(move || s.upgrade().is_some_and(|s| s.is_alive()))
+                as Arc<dyn Fn() -> bool + Send + Sync>
         };
         let inner = Arc::new(Inner {
             attr_timeout,
@@ -1066,7 +1068,6 @@ impl Inner {
         let mut buf = AlignedBuf::new(plan.block_len as usize);
         let mut io = self.dev.io();
         for b in &plan.rmw {
-            let at = (b.file_off - plan.block_off) as usize;
             if b.file_off < plan.block_off {
                 // The old EOF block before the write: zero its tail in place.
                 if let Some(dev_off) = b.old_dev_off {
@@ -1082,6 +1083,7 @@ impl Inner {
                 }
                 continue;
             }
+            let at = (b.file_off - plan.block_off) as usize;
             let slot = &mut buf[at..at + BLOCK_SIZE as usize];
             if let Some(dev_off) = b.old_dev_off {
                 let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
@@ -1213,14 +1215,19 @@ impl Inner {
     }
 
     fn alloc_blocks(&self, blocks: u64, goal: Option<BlockNo>) -> Result<Vec<Extent>, Errno> {
-        for attempt in 0..2 {
+        // Each round claims enough groups for the shortfall; it ends when the allocation
+        // fits or no group can be claimed.
+        for _ in 0..=self.geometry.ag_count {
             let r = lock(&self.alloc).alloc(blocks, goal);
             match r {
                 Ok(p) => return Ok(p),
-                Err(AllocError::NoSpace { .. }) if attempt == 0 => match self.claim_groups(1) {
-                    Ok(n) if n > 0 => {}
-                    _ => return Err(Errno::ENOSPC),
-                },
+                Err(AllocError::NoSpace { wanted, free }) => {
+                    let need = (wanted - free.min(wanted)).div_ceil(self.geometry.ag_blocks);
+                    match self.claim_groups(need.max(1) as usize) {
+                        Ok(n) if n > 0 => {}
+                        _ => return Err(Errno::ENOSPC),
+                    }
+                }
                 Err(e) => return Err(errno::alloc(&e)),
             }
         }
