@@ -17,29 +17,77 @@ use fusedev::{
 };
 use signal_hook::{consts::SIGINT, consts::SIGTERM, iterator::Signals};
 
-use crate::{control, memfs, MountArgs, Transport};
+use crate::{control, embedded, fs, memfs, MkfsArgs, MountArgs, Transport};
 
 /// How long a detaching `etcfs mount` waits for its daemon to finish mounting.
 const MOUNT_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub(crate) fn mkfs(args: MkfsArgs) -> Result<()> {
+    let (etcd, device) = match (&args.store.etcd[..], &args.store.device) {
+        ([_, ..], Some(device)) => (args.store.etcd.clone(), device.clone()),
+        _ => bail!("mkfs needs both --etcd URLS and --device PATH"),
+    };
+    let r = fs::mkfs(&etcd, &device, &args.store.prefix, args.force)?;
+    println!(
+        "etcfs: formatted {} as filesystem {} ({} MiB, {} allocation groups, {}-byte blocks), \
+         metadata under prefix {:?}",
+        device.display(),
+        r.uuid,
+        r.device_bytes >> 20,
+        r.groups,
+        r.block_size,
+        args.store.prefix
+    );
+    Ok(())
+}
 
 pub(crate) fn mount(args: MountArgs) -> Result<()> {
     if !args.foreground {
         return spawn_detached(&args);
     }
     let cpus = worker_cpus(args.cpus.as_deref())?;
-    if !args.memfs {
-        bail!(
-            "the etcd-backed filesystem is not built yet; mount the in-memory filesystem \
-             with --memfs"
-        );
+    let attr_timeout = seconds(args.attr_timeout, "--attr-timeout")?;
+    let entry_timeout = seconds(args.entry_timeout, "--entry-timeout")?;
+    if args.memfs {
+        let handler: Arc<dyn Handler> = Arc::new(memfs::MemFs::new(memfs::MemFsConfig {
+            attr_timeout,
+            entry_timeout,
+            uid: nix_uid(),
+            gid: nix_gid(),
+        }));
+        return serve(&args, &cpus, handler);
     }
-    let handler: Arc<dyn Handler> = Arc::new(memfs::MemFs::new(memfs::MemFsConfig {
-        attr_timeout: seconds(args.attr_timeout, "--attr-timeout")?,
-        entry_timeout: seconds(args.entry_timeout, "--entry-timeout")?,
-        uid: nix_uid(),
-        gid: nix_gid(),
-    }));
-    serve(&args, &cpus, handler)
+    // The private etcd of the embedded default lives as long as the mount.
+    let mut private_etcd = None;
+    let (etcd, device) = match (&args.store.etcd[..], &args.store.device) {
+        ([_, ..], Some(device)) => (args.store.etcd.clone(), device.clone()),
+        ([], None) => {
+            let state = embedded::StateDir::new(&args.state_dir)?;
+            let etcd = embedded::PrivateEtcd::start(&state)?;
+            let device = state.device_image(args.image_gib << 30)?;
+            let endpoints = vec![etcd.endpoint.clone()];
+            private_etcd = Some(etcd);
+            if !state.is_formatted() {
+                let r = fs::mkfs(&endpoints, &device, &args.store.prefix, false)
+                    .context("format the embedded default's device image")?;
+                log::info!("formatted {} as filesystem {}", device.display(), r.uuid);
+                state.mark_formatted()?;
+            }
+            (endpoints, device)
+        }
+        _ => bail!("give both --etcd and --device, or neither (for the embedded default)"),
+    };
+    let handler: Arc<dyn Handler> = Arc::new(fs::EtcFs::open(fs::FsConfig {
+        etcd,
+        device,
+        prefix: args.store.prefix.clone(),
+        attr_timeout,
+        entry_timeout,
+        cores: cpus.len(),
+    })?);
+    let result = serve(&args, &cpus, handler);
+    drop(private_etcd);
+    result
 }
 
 fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<()> {

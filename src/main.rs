@@ -7,6 +7,8 @@ mod control;
 mod daemon;
 #[allow(dead_code)]
 mod data;
+mod embedded;
+mod fs;
 mod memfs;
 
 use std::{path::PathBuf, process::ExitCode};
@@ -26,6 +28,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Format a device and an etcd prefix as a new, empty filesystem.
+    Mkfs(MkfsArgs),
     /// Mount a filesystem (in the background unless --foreground).
     Mount(MountArgs),
     /// Print live per-operation statistics of a mounted filesystem.
@@ -49,12 +53,43 @@ pub(crate) enum Transport {
     Devfuse,
 }
 
+/// Where the filesystem lives: etcd and the shared device.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct StoreArgs {
+    /// etcd endpoints, comma-separated (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) etcd: Vec<String>,
+    /// The shared block device (or a device image file).
+    #[arg(long)]
+    pub(crate) device: Option<PathBuf>,
+    /// Key prefix of this filesystem in etcd (several filesystems can share one etcd).
+    #[arg(long, default_value = "etcfs")]
+    pub(crate) prefix: String,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct MkfsArgs {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Overwrite an existing filesystem on the device or under the prefix.
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct MountArgs {
     /// Directory to mount on.
     pub(crate) mountpoint: PathBuf,
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// Without --etcd and --device: where the private etcd and device image live.
+    #[arg(long, default_value = "/var/lib/etcfs")]
+    pub(crate) state_dir: PathBuf,
+    /// Without --device: size of a new device image, in GiB (sparse).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) image_gib: u64,
     /// Serve a filesystem held in memory (a test fixture and transport baseline).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["etcd", "device"])]
     pub(crate) memfs: bool,
     /// FUSE transport.
     #[arg(long, value_enum, default_value_t = Transport::Auto)]
@@ -94,6 +129,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Mkfs(args) => daemon::mkfs(args),
         Command::Mount(args) => daemon::mount(args),
         Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
     };
