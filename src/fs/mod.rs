@@ -84,9 +84,11 @@ use crate::data::{
     AgId, BlockNo, Extent, BLOCK_SIZE,
 };
 
-/// Waiter threads that run operations needing etcd (each blocks on one ticket at a time;
-/// together they bound how many operations this node has in the pipeline at once).
-const WAITERS: usize = 16;
+/// Waiter threads per core that run operations needing etcd (each blocks on one ticket at
+/// a time; together they bound how many operations this node has in the pipeline at once).
+const WAITERS_PER_CORE: usize = 8;
+/// Fewest waiter threads (enough for the pipeline to group concurrent operations).
+const WAITERS_MIN: usize = 16;
 /// Operations queued for the waiters; past it the core runs the operation itself (the
 /// back-pressure a full pipeline should exert).
 const WAITER_QUEUE_MAX: usize = 1024;
@@ -182,6 +184,7 @@ fn connect_etcd(endpoints: Vec<String>) -> Connect {
     })
 }
 
+#[cfg(test)]
 fn connect_backend(kv: Arc<dyn KvBackend>) -> Connect {
     Box::new(move || Box::pin(async move { Ok(kv) }))
 }
@@ -366,6 +369,7 @@ impl EtcFs {
             Dev::File(dev),
             cfg.attr_timeout,
             cfg.entry_timeout,
+            (cfg.cores * WAITERS_PER_CORE).max(WAITERS_MIN),
         )
     }
 
@@ -376,6 +380,7 @@ impl EtcFs {
         dev: Dev,
         attr_timeout: Duration,
         entry_timeout: Duration,
+        waiters: usize,
     ) -> anyhow::Result<EtcFs> {
         let meta = pipeline.client();
         let rec = run_read(&meta, |kv, keys| {
@@ -427,7 +432,7 @@ impl EtcFs {
                 .context("spawning the housekeeping thread")?
         };
         Ok(EtcFs {
-            pool: Pool::new(WAITERS, WAITER_QUEUE_MAX, inner.clone()),
+            pool: Pool::new(waiters, WAITER_QUEUE_MAX, inner.clone()),
             inner,
             housekeeping: Mutex::new(Some(hk)),
         })
@@ -485,10 +490,6 @@ fn done_bytes<T: IntoBytes + Immutable>(v: &T) -> Done {
 }
 
 impl Inner {
-    fn session(&self) -> Result<Arc<Session>, Errno> {
-        lock(&self.session).clone().ok_or(Errno::EIO)
-    }
-
     fn entry_out(&self, a: &InodeAttr, blocks: Option<u64>) -> EntryOut {
         EntryOut::new(
             a.generation,
@@ -692,6 +693,10 @@ impl Inner {
         Ok(done_bytes(&self.attr_out(&attr, blocks)))
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one call per node kind; a struct would only rename the arguments"
+    )]
     fn make_node(
         &self,
         h: &abi::InHeader,
@@ -1040,8 +1045,7 @@ impl Inner {
         // Allocate the holes (in the groups this node owns; claim more when they run out).
         let goal = extents
             .iter()
-            .filter(|e| e.file_off < block_off)
-            .last()
+            .rfind(|e| e.file_off < block_off)
             .map(|e| BlockNo((e.dev_off + e.len) / BLOCK_SIZE));
         let mut allocated: Vec<FileExtent> = Vec::new();
         for (hoff, hlen) in plan.holes() {

@@ -75,6 +75,7 @@ fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
         Dev::Mem(dev.clone()),
         Duration::from_secs(1),
         Duration::from_secs(1),
+        4,
     )
     .unwrap()
 }
@@ -302,7 +303,7 @@ fn wrong_device_names_both_uuids() {
         pipeline_config(),
     )
     .unwrap();
-    let e = EtcFs::open_with(p, s, Dev::Mem(other), Duration::ZERO, Duration::ZERO)
+    let e = EtcFs::open_with(p, s, Dev::Mem(other), Duration::ZERO, Duration::ZERO, 1)
         .err()
         .expect("wrong device refused")
         .to_string();
