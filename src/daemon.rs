@@ -129,12 +129,14 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
         ring_entries_per_queue: args.ring_entries_per_queue as usize,
         devfuse_reads_per_core: args.devfuse_reads_per_core as usize,
     };
+    let handler_for_stats = handler.clone();
     let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)
         .with_context(|| format!("start serving {}", mnt.mountpoint().display()))?;
     let transport = session.transport().to_string();
     let report: Arc<control::ReportFn> = Arc::new(move |json| {
         let mut r = registry.snapshot();
         r.transport = transport.clone();
+        r.counters.extend(handler_for_stats.counters());
         if json {
             r.to_json()
         } else {

@@ -231,4 +231,10 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Called once when the connection ends (DESTROY, unmount or abort).
     fn destroy(&self) {}
+
+    /// Counters of the filesystem behind the mount (etcd transactions, cache hits...), named
+    /// and summed, for `etcfs stats`. Called off the request path, when a report is asked for.
+    fn counters(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
