@@ -538,6 +538,25 @@ impl Inner {
     /// blocks (never double-allocates them); blocks in groups other nodes own are left to
     /// their owner's recovery.
     fn release_blocks(&self, freed: &[meta::pipeline::DevRange]) {
+        // Blocks in a group nobody owns (its node died) are ours to return: claim the
+        // group first, which loads its authoritative free map.
+        let exts: Vec<Extent> = freed
+            .iter()
+            .map(|r| Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE))
+            .filter(|e| e.len > 0)
+            .collect();
+        let unowned: Vec<AgId> = {
+            let a = lock(&self.alloc);
+            a.groups_of(&exts)
+                .into_iter()
+                .filter(|g| !a.owned().contains(g))
+                .collect()
+        };
+        for g in unowned {
+            if let Err(e) = self.try_claim(g.0) {
+                log::warn!("claiming group {} to return freed blocks: {e}", g.0);
+            }
+        }
         let mut a = lock(&self.alloc);
         let mut changed = BTreeSet::new();
         for r in freed {
@@ -587,54 +606,60 @@ impl Inner {
             if claimed >= n {
                 break;
             }
-            let g = (start + i) % count;
-            if lock(&self.alloc).owned().contains(&AgId(g)) {
-                continue;
-            }
-            let s = session.clone();
-            let got = run_read(&self.meta, move |_, _| {
-                Box::pin(async move { s.claim_group(GroupId(g)).await })
-            })?;
-            if !got {
-                continue;
-            }
-            let Some(span) = self.geometry.ag_extent(AgId(g)) else {
-                continue;
-            };
-            let raw = run_read(&self.meta, move |kv, keys| {
-                Box::pin(async move {
-                    let key = keys.free_map(GroupId(g));
-                    let r = kv.range(RangeRequest::key(key)).await?;
-                    Ok(r.kvs.into_iter().next().map(|kv| kv.value))
-                })
-            })?;
-            let map = match raw {
-                // Never written: nothing was ever allocated from the group.
-                None => AgFreeMap::all_free(AgId(g), span),
-                Some(b) => match AgFreeMap::decode(&b, AgId(g), span) {
-                    Ok(m) => m,
-                    Err(e) => {
-                        log::error!(
-                            "corrupt free map at key {}: {e}; not using group {g}",
-                            self.meta
-                                .keys()
-                                .describe(&self.meta.keys().free_map(GroupId(g)))
-                        );
-                        continue;
-                    }
-                },
-            };
-            let mut a = lock(&self.alloc);
-            if a.load_group(map).is_err() {
-                continue;
-            }
-            let mut owned = a.owned().clone();
-            owned.insert(AgId(g));
-            if a.set_owned(owned).is_ok() {
+            if self.try_claim((start + i) % count)? {
                 claimed += 1;
             }
         }
         Ok(claimed)
+    }
+
+    /// Claims group `g` (if no live session owns it) and loads its free map from etcd.
+    /// True when this node newly owns it.
+    fn try_claim(&self, g: u32) -> Result<bool, MetaError> {
+        let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        if lock(&self.alloc).owned().contains(&AgId(g)) {
+            return Ok(false);
+        }
+        let s = session.clone();
+        let got = run_read(&self.meta, move |_, _| {
+            Box::pin(async move { s.claim_group(GroupId(g)).await })
+        })?;
+        if !got {
+            return Ok(false);
+        }
+        let Some(span) = self.geometry.ag_extent(AgId(g)) else {
+            return Ok(false);
+        };
+        let raw = run_read(&self.meta, move |kv, keys| {
+            Box::pin(async move {
+                let key = keys.free_map(GroupId(g));
+                let r = kv.range(RangeRequest::key(key)).await?;
+                Ok(r.kvs.into_iter().next().map(|kv| kv.value))
+            })
+        })?;
+        let map = match raw {
+            // Never written: nothing was ever allocated from the group.
+            None => AgFreeMap::all_free(AgId(g), span),
+            Some(b) => match AgFreeMap::decode(&b, AgId(g), span) {
+                Ok(m) => m,
+                Err(e) => {
+                    log::error!(
+                        "corrupt free map at key {}: {e}; not using group {g}",
+                        self.meta
+                            .keys()
+                            .describe(&self.meta.keys().free_map(GroupId(g)))
+                    );
+                    return Ok(false);
+                }
+            },
+        };
+        let mut a = lock(&self.alloc);
+        if a.load_group(map).is_err() {
+            return Ok(false);
+        }
+        let mut owned = a.owned().clone();
+        owned.insert(AgId(g));
+        Ok(a.set_owned(owned).is_ok())
     }
 
     fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
