@@ -2317,6 +2317,34 @@ impl Handler for EtcFs {
         self.dispatch(ctx, req, out)
     }
 
+    fn counters(&self) -> Vec<(String, u64)> {
+        let m = self.inner.meta.stats();
+        let mut c: Vec<(String, u64)> = vec![
+            ("etcd_txns_committed".into(), m.txns_committed),
+            ("etcd_mutations_committed".into(), m.mutations_committed),
+            ("etcd_mutations_in_txns".into(), m.mutations_in_txns),
+            ("etcd_mutations_per_txn_max".into(), m.mutations_per_txn_max),
+            ("etcd_mutations_failed".into(), m.mutations_failed),
+            ("etcd_compare_failures".into(), m.compare_failures),
+            ("etcd_retries".into(), m.retries),
+            ("etcd_read_txns".into(), m.read_txns),
+            ("etcd_txn_errors".into(), m.txn_errors),
+            ("dir_times_coalesced".into(), m.touches_coalesced),
+            ("dir_times_written".into(), m.touches_written),
+            ("inode_blocks_reserved".into(), m.ino_blocks_reserved),
+            ("pipeline_pending".into(), m.pending),
+            ("etcd_txns_in_flight".into(), m.txns_in_flight),
+        ];
+        // Mutations per transaction as a histogram: buckets 1, 2-3, 4-7, ... 128+.
+        const BUCKETS: [&str; 8] = [
+            "1", "2-3", "4-7", "8-15", "16-31", "32-63", "64-127", "128+",
+        ];
+        for (name, n) in BUCKETS.iter().zip(m.mutations_per_txn_hist) {
+            c.push((format!("etcd_txns_with_mutations_{name}"), n));
+        }
+        c
+    }
+
     fn destroy(&self) {
         self.pool.drain();
         self.inner.shutdown();
