@@ -10,387 +10,32 @@
 //! its pid), unmounts what is left and removes the temporary directory, so a failing test
 //! leaves nothing behind.
 
+mod common;
+
 use std::{
     fs::{self, File, OpenOptions},
     io::{self, Read as _, Write as _},
     os::unix::fs::FileExt as _,
-    path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Output, Stdio},
+    path::Path,
+    process::Command,
     sync::{
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
     thread::{self, JoinHandle},
     time::{Duration, Instant},
 };
 
-const ETCFS: &str = env!("CARGO_BIN_EXE_etcfs");
-/// How long a daemon may take to mount, or to exit once asked to.
-const DAEMON_DEADLINE: Duration = Duration::from_secs(10);
+use common::{
+    can_run, errno_of, helper, is_mounted, lazy_umount, loud, mount_count, pattern, run_bounded,
+    sorted_names, temp_base, unescape_mountinfo, Daemon, DAEMON_DEADLINE, ETCFS,
+};
+
+/// A memfs mount (see `common::Daemon`).
+type Mounted = Daemon;
+
 /// How long load threads may take to return once the mount is gone and they are told to stop.
 const LOAD_DEADLINE: Duration = Duration::from_secs(10);
-const ENABLE_URING: &str = "/sys/module/fuse/parameters/enable_uring";
-
-// ---------------------------------------------------------------------------------------
-// Environment checks
-// ---------------------------------------------------------------------------------------
-
-/// Writes straight to stderr, past the test harness's output capture, so skips are seen.
-fn loud(msg: &str) {
-    let _ = io::stderr().write_all(format!("{msg}\n").as_bytes());
-}
-
-fn mount_tests_required() -> bool {
-    std::env::var("ETCFS_REQUIRE_MOUNT_TESTS").as_deref() == Ok("1")
-}
-
-/// Why mount tests cannot run here, if they cannot.
-fn missing_prerequisite(transport: Option<&str>) -> Option<String> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
-        return Some("needs root and /dev/fuse".into());
-    }
-    if transport == Some("uring") {
-        let on = fs::read_to_string(ENABLE_URING)
-            .map(|s| s.trim() == "Y")
-            .unwrap_or(false);
-        if !on {
-            return Some(format!("needs FUSE-over-io_uring: {ENABLE_URING} is not Y"));
-        }
-    }
-    None
-}
-
-/// True when the test may go on; otherwise says loudly why it is skipped, or fails when
-/// `ETCFS_REQUIRE_MOUNT_TESTS=1`.
-fn can_run(test: &str, transport: Option<&str>) -> bool {
-    let Some(why) = missing_prerequisite(transport) else {
-        return true;
-    };
-    let name = match transport {
-        Some(t) => format!("{t}::{test}"),
-        None => test.to_string(),
-    };
-    if mount_tests_required() {
-        panic!("{name}: {why} (ETCFS_REQUIRE_MOUNT_TESTS=1, so this is a failure)");
-    }
-    loud(&format!("SKIP: {name}: {why}"));
-    false
-}
-
-// ---------------------------------------------------------------------------------------
-// Processes and mounts
-// ---------------------------------------------------------------------------------------
-
-/// Undoes the octal escapes (`\040` for a space) of a /proc/self/mountinfo path.
-fn unescape_mountinfo(field: &str) -> String {
-    let b = field.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
-            out.push(v);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// How many mounts sit on `path` according to /proc/self/mountinfo.
-fn mount_count(path: &Path) -> usize {
-    let want = path.to_string_lossy();
-    let info = fs::read_to_string("/proc/self/mountinfo").expect("read /proc/self/mountinfo");
-    info.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|p| unescape_mountinfo(p) == want)
-        .count()
-}
-
-fn is_mounted(path: &Path) -> bool {
-    mount_count(path) > 0
-}
-
-/// Waits at most `timeout` for `child` to exit.
-fn wait_bounded(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
-    let start = Instant::now();
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return Some(status),
-            Ok(None) if start.elapsed() < timeout => thread::sleep(Duration::from_millis(10)),
-            _ => return None,
-        }
-    }
-}
-
-fn signal(child: &Child, sig: libc::c_int) {
-    let pid = libc::pid_t::try_from(child.id()).expect("pid fits pid_t");
-    // SAFETY: kill(2) on the pid of a child we started and have not yet reaped, so the pid
-    // cannot have been reused by another process.
-    unsafe { libc::kill(pid, sig) };
-}
-
-/// Runs a command to completion, or stops it (SIGTERM, then SIGKILL) after `timeout`.
-/// Returns its output, and whether it finished in time.
-fn run_bounded(cmd: &mut Command, timeout: Duration) -> (Output, bool) {
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
-    // Drain the pipes on threads so a chatty child never blocks on a full pipe.
-    let mut out = child.stdout.take().expect("piped stdout");
-    let mut err = child.stderr.take().expect("piped stderr");
-    let out_t = thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let err_t = thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err.read_to_end(&mut v);
-        v
-    });
-    let mut in_time = true;
-    let status = match wait_bounded(&mut child, timeout) {
-        Some(s) => s,
-        None => {
-            in_time = false;
-            signal(&child, libc::SIGTERM);
-            match wait_bounded(&mut child, Duration::from_secs(3)) {
-                Some(s) => s,
-                None => {
-                    let _ = child.kill();
-                    child.wait().expect("wait for a killed child")
-                }
-            }
-        }
-    };
-    let stdout = out_t.join().unwrap_or_default();
-    let stderr = err_t.join().unwrap_or_default();
-    (
-        Output {
-            status,
-            stdout,
-            stderr,
-        },
-        in_time,
-    )
-}
-
-fn lazy_umount(path: &Path) -> Output {
-    run_bounded(
-        Command::new("umount").arg("-l").arg(path),
-        Duration::from_secs(10),
-    )
-    .0
-}
-
-static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
-
-/// A fresh directory under /tmp, unique to this process and call.
-fn temp_base(label: &str) -> PathBuf {
-    let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
-    let base = PathBuf::from(format!(
-        "/tmp/etcfs-mount-test-{}-{n}-{label}",
-        std::process::id()
-    ));
-    let _ = fs::remove_dir_all(&base);
-    fs::create_dir_all(&base).unwrap_or_else(|e| panic!("create {}: {e}", base.display()));
-    base
-}
-
-/// A foreground `etcfs mount --memfs` daemon and its mount, torn down on drop.
-struct Mounted {
-    base: PathBuf,
-    mnt: PathBuf,
-    log: PathBuf,
-    transport: String,
-    child: Option<Child>,
-}
-
-impl Mounted {
-    /// Mounts with `--transport transport` and `extra` flags, after the prerequisite checks;
-    /// `None` when the test is skipped. Asserts that the transport serving is the one asked
-    /// for.
-    fn start_or_skip(test: &str, transport: &str, extra: &[&str]) -> Option<Mounted> {
-        if !can_run(test, Some(transport)) {
-            return None;
-        }
-        let m = Mounted::start(test, transport, extra);
-        let served = m.stats_json()["transport"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string();
-        assert_eq!(
-            served.split_whitespace().next(),
-            Some(transport),
-            "asked for --transport {transport}, `etcfs stats` reports {served:?}"
-        );
-        Some(m)
-    }
-
-    fn start(test: &str, transport: &str, extra: &[&str]) -> Mounted {
-        let base = temp_base(&format!("{transport}-{test}"));
-        let mnt = base.join("mnt");
-        fs::create_dir(&mnt).expect("create mountpoint");
-        let log = base.join("daemon.log");
-        let log_file = File::create(&log).expect("create daemon log");
-        let child = Command::new(ETCFS)
-            .arg("mount")
-            .args(["--memfs", "--foreground", "--transport", transport])
-            .args(extra)
-            .arg(&mnt)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log_file.try_clone().expect("dup log fd"))
-            .stderr(log_file)
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {ETCFS}: {e}"));
-        // The guard exists before anything can fail, so a failure below still cleans up.
-        let mut m = Mounted {
-            base,
-            mnt,
-            log,
-            transport: transport.to_string(),
-            child: Some(child),
-        };
-        let start = Instant::now();
-        loop {
-            if is_mounted(&m.mnt) {
-                break;
-            }
-            let child = m.child.as_mut().expect("child");
-            if let Ok(Some(status)) = child.try_wait() {
-                panic!(
-                    "etcfs mount exited ({status}) before mounting:\n{}",
-                    m.log_text()
-                );
-            }
-            if start.elapsed() > DAEMON_DEADLINE {
-                panic!(
-                    "etcfs did not mount within {DAEMON_DEADLINE:?}:\n{}",
-                    m.log_text()
-                );
-            }
-            thread::sleep(Duration::from_millis(10));
-        }
-        m
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.mnt.join(name)
-    }
-
-    fn log_text(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
-    }
-
-    fn child(&mut self) -> &mut Child {
-        self.child.as_mut().expect("daemon child")
-    }
-
-    /// `etcfs stats MNT --json`, parsed. Retries for a few seconds: the control socket may
-    /// appear a moment after the mount does.
-    fn stats_json(&self) -> serde_json::Value {
-        let start = Instant::now();
-        loop {
-            let (out, _) = run_bounded(
-                Command::new(ETCFS)
-                    .arg("stats")
-                    .arg(&self.mnt)
-                    .arg("--json"),
-                Duration::from_secs(10),
-            );
-            if out.status.success() {
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                assert!(
-                    text.contains("\"transport\"") && text.contains("\"ops\""),
-                    "{text}"
-                );
-                return serde_json::from_str(&text)
-                    .unwrap_or_else(|e| panic!("stats --json is not JSON ({e}): {text}"));
-            }
-            if start.elapsed() > Duration::from_secs(5) {
-                panic!(
-                    "etcfs stats {} --json failed ({}): {}\ndaemon log:\n{}",
-                    self.mnt.display(),
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr),
-                    self.log_text()
-                );
-            }
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Waits for the daemon to exit by itself; panics with its log if it does not in time.
-    fn expect_exit(&mut self, why: &str) -> ExitStatus {
-        match wait_bounded(self.child(), DAEMON_DEADLINE) {
-            Some(s) => s,
-            None => panic!(
-                "the daemon (transport {}) did not exit within {DAEMON_DEADLINE:?} after {why}:\n{}",
-                self.transport,
-                self.log_text()
-            ),
-        }
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        if thread::panicking() {
-            loud(&format!(
-                "--- etcfs daemon log ({}) ---\n{}",
-                self.log.display(),
-                self.log_text()
-            ));
-        }
-        if let Some(child) = self.child.as_mut() {
-            if matches!(child.try_wait(), Ok(None)) {
-                signal(child, libc::SIGTERM);
-                let _ = wait_bounded(child, DAEMON_DEADLINE);
-            }
-        }
-        for _ in 0..3 {
-            if !is_mounted(&self.mnt) {
-                break;
-            }
-            lazy_umount(&self.mnt);
-        }
-        if let Some(mut child) = self.child.take() {
-            if matches!(child.try_wait(), Ok(None)) {
-                loud(&format!(
-                    "etcfs daemon pid {} ignored SIGTERM; killing it",
-                    child.id()
-                ));
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-        for _ in 0..3 {
-            if !is_mounted(&self.mnt) {
-                break;
-            }
-            lazy_umount(&self.mnt);
-        }
-        if is_mounted(&self.mnt) {
-            loud(&format!(
-                "leaving {} behind: still mounted",
-                self.base.display()
-            ));
-        } else {
-            let _ = fs::remove_dir_all(&self.base);
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // Load generator for the shutdown tests
@@ -507,31 +152,6 @@ fn load_loop(path: &Path, seed: u64, stop: &AtomicBool, ops: &AtomicU64, errors:
 // Helpers for file checks
 // ---------------------------------------------------------------------------------------
 
-fn errno_of(r: io::Result<impl Sized>) -> Option<i32> {
-    r.err().and_then(|e| e.raw_os_error())
-}
-
-fn sorted_names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("readdir {}: {e}", dir.display()))
-        .map(|e| {
-            e.expect("dir entry")
-                .file_name()
-                .to_string_lossy()
-                .into_owned()
-        })
-        .collect();
-    v.sort();
-    v
-}
-
-/// Bytes that differ from block to block and within a block, so misplaced or stale pages show.
-fn pattern(len: usize, salt: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i % 251) as u8) ^ ((i / 4096) as u8).wrapping_mul(7) ^ salt)
-        .collect()
-}
-
 fn op_count(stats: &serde_json::Value, op: &str) -> u64 {
     stats["ops"]
         .as_array()
@@ -570,7 +190,7 @@ on_both_transports!(
 );
 
 fn small_files_round_trip(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("small_files_round_trip", transport, &[]) else {
+    let Some(m) = Daemon::memfs_or_skip("small_files_round_trip", transport, &[]) else {
         return;
     };
     let root = fs::metadata(&m.mnt).expect("stat the root");
@@ -617,7 +237,7 @@ fn small_files_round_trip(transport: &str) {
 }
 
 fn large_file_with_pattern(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("large_file_with_pattern", transport, &[]) else {
+    let Some(m) = Daemon::memfs_or_skip("large_file_with_pattern", transport, &[]) else {
         return;
     };
     const LEN: usize = 3 * 1024 * 1024;
@@ -654,7 +274,7 @@ fn large_file_with_pattern(transport: &str) {
 }
 
 fn readdir_unlink_rename(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("readdir_unlink_rename", transport, &[]) else {
+    let Some(m) = Daemon::memfs_or_skip("readdir_unlink_rename", transport, &[]) else {
         return;
     };
     let names: Vec<String> = (0..40).map(|i| format!("file-{i:02}")).collect();
@@ -723,7 +343,7 @@ fn readdir_unlink_rename(transport: &str) {
 }
 
 fn directories(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("directories", transport, &[]) else {
+    let Some(m) = Daemon::memfs_or_skip("directories", transport, &[]) else {
         return;
     };
     let d = m.path("dir");
@@ -769,7 +389,7 @@ fn directories(transport: &str) {
 }
 
 fn append_and_truncate(transport: &str) {
-    let Some(m) = Mounted::start_or_skip("append_and_truncate", transport, &[]) else {
+    let Some(m) = Daemon::memfs_or_skip("append_and_truncate", transport, &[]) else {
         return;
     };
     let p = m.path("log");
@@ -812,13 +432,10 @@ fn append_and_truncate(transport: &str) {
     // truncate(2) by path, down into the middle of a page with data after it
     let q = m.path("q");
     fs::write(&q, pattern(10_000, 1)).expect("create q");
-    let c = std::ffi::CString::new(q.as_os_str().as_encoded_bytes()).expect("path");
-    // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
     assert_eq!(
-        unsafe { libc::truncate(c.as_ptr(), 4100) },
-        0,
-        "{}",
-        io::Error::last_os_error()
+        helper(&["truncate", &q.to_string_lossy(), "4100"]),
+        Ok(String::new()),
+        "truncate(2) by path"
     );
     assert_eq!(fs::read(&q).expect("read q"), pattern(10_000, 1)[..4100]);
 
@@ -829,7 +446,7 @@ fn append_and_truncate(transport: &str) {
 
 fn stats_report_ops(transport: &str) {
     let timeouts = ["--perf", "--attr-timeout", "0", "--entry-timeout", "0"];
-    let Some(m) = Mounted::start_or_skip("stats_report_ops", transport, &timeouts) else {
+    let Some(m) = Daemon::memfs_or_skip("stats_report_ops", transport, &timeouts) else {
         return;
     };
     for i in 0..5 {
@@ -881,7 +498,7 @@ fn stats_report_ops(transport: &str) {
 }
 
 fn unmount_with_requests_in_flight(transport: &str) {
-    let Some(mut m) = Mounted::start_or_skip("unmount_with_requests_in_flight", transport, &[])
+    let Some(mut m) = Daemon::memfs_or_skip("unmount_with_requests_in_flight", transport, &[])
     else {
         return;
     };
@@ -912,7 +529,7 @@ fn unmount_with_requests_in_flight(transport: &str) {
 }
 
 fn sigterm_under_load(transport: &str) {
-    let Some(mut m) = Mounted::start_or_skip("sigterm_under_load", transport, &[]) else {
+    let Some(mut m) = Daemon::memfs_or_skip("sigterm_under_load", transport, &[]) else {
         return;
     };
     let load = Load::start(&m);
@@ -932,7 +549,7 @@ fn sigterm_under_load(transport: &str) {
         }
     });
     load.wait_ops(2000);
-    signal(m.child(), libc::SIGTERM);
+    m.signal("TERM");
     let status = m.expect_exit("SIGTERM");
     assert!(
         status.success(),
@@ -961,7 +578,7 @@ fn sigterm_under_load(transport: &str) {
 }
 
 fn lazy_unmount_with_open_file(transport: &str) {
-    let Some(mut m) = Mounted::start_or_skip("lazy_unmount_with_open_file", transport, &[]) else {
+    let Some(mut m) = Daemon::memfs_or_skip("lazy_unmount_with_open_file", transport, &[]) else {
         return;
     };
     fs::write(m.path("kept"), b"still readable").expect("create");
@@ -1034,7 +651,7 @@ fn mount_on_mounted_directory_fails() {
     if !can_run("mount_on_mounted_directory_fails", None) {
         return;
     }
-    let m = Mounted::start("busy", "devfuse", &[]);
+    let m = Daemon::memfs("busy", "devfuse", &[]);
     let (out, in_time) = run_bounded(
         Command::new(ETCFS)
             .args(["mount", "--memfs", "--foreground", "--transport", "devfuse"])
