@@ -4,7 +4,10 @@
 // and time every call. With the filesystem's entry and attribute timeouts at 0, every call is
 // a round trip to the FUSE server (LOOKUP + GETATTR). Prints one line of key=value pairs:
 //
-//   threads=2 secs=3.000 ops=123456 ops_per_s=41152 p50_us=45.1 p90_us=60.2 p99_us=98.0 errors=0
+//   threads=2 secs=3.000 ops=123456 ops_per_s=41152 p50_us=45.1 p90_us=60.2 p99_us=98.0 errors=0 calls=140000
+//
+// `calls` counts every stat(2) made, warm-up included, so a caller can divide the requests its
+// server saw by it.
 //
 // usage: statloop [-t THREADS] [-d SECONDS] [-w WARMUP_SECONDS] PATH
 // build: gcc -O2 -pthread benches/statloop.c -o statloop
@@ -28,7 +31,7 @@ struct worker {
 	const char *path;
 	double warmup_s, run_s;
 	uint32_t *hist; // BUCKETS counters
-	uint64_t ops, errors;
+	uint64_t ops, errors, calls;
 	double elapsed_s;
 };
 
@@ -54,8 +57,10 @@ static void *run(void *arg)
 	struct stat st;
 	pthread_barrier_wait(&start_line);
 	double warm_end = now_s() + w->warmup_s;
-	while (now_s() < warm_end)
+	while (now_s() < warm_end) {
 		(void)stat(w->path, &st);
+		w->calls++;
+	}
 	pthread_barrier_wait(&start_line);
 	double t0 = now_s(), end = t0 + w->run_s;
 	for (;;) {
@@ -64,6 +69,7 @@ static void *run(void *arg)
 			uint64_t a = now_ns();
 			int rc = stat(w->path, &st);
 			uint64_t b = now_ns() - a;
+			w->calls++;
 			if (rc != 0) {
 				w->errors++;
 				continue;
@@ -125,12 +131,13 @@ int main(int argc, char **argv)
 			return 1;
 		}
 	}
-	uint64_t ops = 0, errors = 0;
+	uint64_t ops = 0, errors = 0, calls = 1; // 1: the check in main
 	double elapsed = 0;
 	for (int i = 0; i < threads; i++) {
 		pthread_join(ws[i].thread, NULL);
 		ops += ws[i].ops;
 		errors += ws[i].errors;
+		calls += ws[i].calls;
 		if (ws[i].elapsed_s > elapsed)
 			elapsed = ws[i].elapsed_s;
 		for (size_t b = 0; b < BUCKETS; b++)
@@ -141,9 +148,10 @@ int main(int argc, char **argv)
 			(unsigned long long)errors);
 		return 1;
 	}
-	printf("threads=%d secs=%.3f ops=%llu ops_per_s=%.0f p50_us=%.1f p90_us=%.1f p99_us=%.1f errors=%llu\n",
+	printf("threads=%d secs=%.3f ops=%llu ops_per_s=%.0f p50_us=%.1f p90_us=%.1f p99_us=%.1f errors=%llu calls=%llu\n",
 	       threads, elapsed, (unsigned long long)ops, ops / elapsed, quantile_us(merged, ops, 0.50),
-	       quantile_us(merged, ops, 0.90), quantile_us(merged, ops, 0.99), (unsigned long long)errors);
+	       quantile_us(merged, ops, 0.90), quantile_us(merged, ops, 0.99), (unsigned long long)errors,
+	       (unsigned long long)calls);
 	return errors ? 1 : 0;
 usage:
 	fprintf(stderr, "usage: %s [-t THREADS] [-d SECONDS] [-w WARMUP_SECONDS] PATH\n", argv[0]);

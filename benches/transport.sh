@@ -204,6 +204,12 @@ kv() { # KEY LINE -> value of KEY=... in LINE
 	tr ' ' '\n' <<<"$2" | sed -n "s/^$1=//p"
 }
 
+# Requests an etcfs daemon has served so far (the sum of its requests_per_core).
+etcfs_requests() {
+	"$ETCFS" stats "$1" --json | grep -o '"requests_per_core":\[[0-9,]*\]' |
+		grep -o '[0-9][0-9]*' | awk '{s += $1} END {print s + 0}'
+}
+
 STAT_SERVERS=(etcfs-uring etcfs-devfuse)
 [ -n "$PROBE" ] && STAT_SERVERS+=(probe-ring probe-classic)
 
@@ -218,11 +224,19 @@ if [ $DO_STAT = 1 ]; then
 	for run in $(seq "$RUNS"); do
 		for s in "${STAT_SERVERS[@]}"; do
 			for t in 1 2; do
+				before=""
+				[[ $s == etcfs-* ]] && before=$(etcfs_requests "$WORK/$s")
 				line=$("$WORK/statloop" -t "$t" -d "$STAT_SECS" "$WORK/$s/hello") ||
 					die "statloop on $s failed: $line"
 				log "stat run $run/$RUNS $s threads=$t: $line"
 				record "stat.$s.t$t.ops" "$(kv ops_per_s "$line")"
 				record "stat.$s.t$t.p50" "$(kv p50_us "$line")"
+				calls=$(kv calls "$line")
+				echo "$calls" >>"$WORK/$s.calls"
+				if [ -n "$before" ]; then
+					after=$(etcfs_requests "$WORK/$s")
+					record "stat.$s.rps" "$(awk -v a="$after" -v b="$before" -v c="$calls" 'BEGIN{printf "%.2f", (a - b) / c}')"
+				fi
 			done
 		done
 	done
@@ -236,6 +250,14 @@ if [ $DO_STAT = 1 ]; then
 	if [ -n "$PROBE" ]; then
 		PROBE_PATHS="probe ring mode: $(grep -o 'requests via.*' "$WORK/probe-ring.log" | tail -1); classic mode: $(grep -o 'requests via.*' "$WORK/probe-classic.log" | tail -1)"
 		log "$PROBE_PATHS"
+		# The probe counts the requests it served over its whole life (a handful besides the
+		# stat loops): per stat, over all runs.
+		for s in probe-ring probe-classic; do
+			reqs=$(grep -o 'requests via ring=[0-9]* via /dev/fuse read=[0-9]*' "$WORK/$s.log" |
+				tail -1 | grep -o '[0-9][0-9]*' | awk '{s += $1} END {print s + 0}')
+			calls=$(awk '{s += $1} END {print s + 0}' "$WORK/$s.calls")
+			[ "$calls" -gt 0 ] && record "stat.$s.rps" "$(awk -v r="$reqs" -v c="$calls" 'BEGIN{printf "%.2f", r / c}')"
+		done
 	fi
 fi
 
@@ -313,14 +335,20 @@ ratio() { # KEY_A KEY_B -> median(A)/median(B) with 2 decimals, or n/a
 TABLES=$WORK/tables.md
 {
 	if [ $DO_STAT = 1 ]; then
-		echo "### Uncached stat() round trips (entry/attr timeout 0: LOOKUP + GETATTR per call)"
+		echo "### Uncached stat() round trips (entry/attr timeouts 0, so every call reaches the server)"
 		echo
 		echo "| client threads | metric | etcfs uring | etcfs devfuse | C probe ring (floor) | C probe classic | uring / floor | uring / devfuse |"
 		echo "|---|---|---|---|---|---|---|---|"
 		for t in 1 2; do
 			echo "| $t | stat/s | $(cell stat.etcfs-uring.t$t.ops) | $(cell stat.etcfs-devfuse.t$t.ops) | $(cell stat.probe-ring.t$t.ops) | $(cell stat.probe-classic.t$t.ops) | $(ratio stat.etcfs-uring.t$t.ops stat.probe-ring.t$t.ops) | $(ratio stat.etcfs-uring.t$t.ops stat.etcfs-devfuse.t$t.ops) |"
 			echo "| $t | p50 µs | $(cell stat.etcfs-uring.t$t.p50 1) | $(cell stat.etcfs-devfuse.t$t.p50 1) | $(cell stat.probe-ring.t$t.p50 1) | $(cell stat.probe-classic.t$t.p50 1) | $(ratio stat.etcfs-uring.t$t.p50 stat.probe-ring.t$t.p50) | $(ratio stat.etcfs-uring.t$t.p50 stat.etcfs-devfuse.t$t.p50) |"
+			for s in etcfs-uring etcfs-devfuse probe-ring probe-classic; do
+				r=$(med stat.$s.rps); o=$(med stat.$s.t$t.ops)
+				[ -n "$r" ] && [ -n "$o" ] && record "stat.$s.t$t.reqs" "$(awk -v r="$r" -v o="$o" 'BEGIN{printf "%.0f", r * o}')"
+			done
+			echo "| $t | FUSE requests/s (stat/s × requests per stat) | $(cell stat.etcfs-uring.t$t.reqs) | $(cell stat.etcfs-devfuse.t$t.reqs) | $(cell stat.probe-ring.t$t.reqs) | $(cell stat.probe-classic.t$t.reqs) | $(ratio stat.etcfs-uring.t$t.reqs stat.probe-ring.t$t.reqs) | $(ratio stat.etcfs-uring.t$t.reqs stat.etcfs-devfuse.t$t.reqs) |"
 		done
+		echo "| all | FUSE requests per stat | $(cell stat.etcfs-uring.rps 2) | $(cell stat.etcfs-devfuse.rps 2) | $(cell stat.probe-ring.rps 2) | $(cell stat.probe-classic.rps 2) | | |"
 		echo
 		echo "Goal: etcfs uring p50 within 1.2x of the floor, and ahead of devfuse (stat/s ratio > 1, p50 ratio < 1)."
 		[ -n "$PROBE_NOTE" ] && echo "C probe: n/a — $PROBE_NOTE."
