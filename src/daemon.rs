@@ -83,6 +83,8 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
         prefix: args.store.prefix.clone(),
         attr_timeout,
         entry_timeout,
+        negative_timeout: seconds(args.negative_timeout, "--negative-timeout")?,
+        dir_names_max: args.dir_names_max as usize,
         cores: cpus.len(),
     })?);
     let result = serve(&args, &cpus, handler);
@@ -132,6 +134,7 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     let handler_for_stats = handler.clone();
     let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)
         .with_context(|| format!("start serving {}", mnt.mountpoint().display()))?;
+    fs::set_notifier(session.notifier());
     let transport = session.transport().to_string();
     let report: Arc<control::ReportFn> = Arc::new(move |json| {
         let mut r = registry.snapshot();

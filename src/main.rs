@@ -106,12 +106,21 @@ pub(crate) struct MountArgs {
     /// Let users other than root use the mount.
     #[arg(long)]
     pub(crate) allow_other: bool,
-    /// Seconds the kernel may cache attributes.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds the kernel may cache attributes (kept coherent by the etcd watch; see the
+    /// README).
+    #[arg(long, default_value_t = 60.0)]
     pub(crate) attr_timeout: f64,
-    /// Seconds the kernel may cache names.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds the kernel may cache names (kept coherent by the etcd watch).
+    #[arg(long, default_value_t = 60.0)]
     pub(crate) entry_timeout: f64,
+    /// Seconds the kernel may cache an absent name (kept coherent by the etcd watch).
+    #[arg(long, default_value_t = 60.0)]
+    pub(crate) negative_timeout: f64,
+    /// Names a directory may have for its whole name set to be read in one etcd range on
+    /// the first lookup (later lookups in it, found or not, need no etcd); a larger
+    /// directory is looked up name by name.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub(crate) dir_names_max: u64,
     /// FUSE ring entries registered per CPU queue (each holds a 1 MiB buffer).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(crate) ring_entries_per_queue: u32,

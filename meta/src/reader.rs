@@ -89,6 +89,54 @@ pub async fn get_inode(
     Ok(Some((attr, Revision(item.mod_revision))))
 }
 
+/// Reads an inode's attributes (None if absent) with the store revision of the read (every
+/// change up to it is reflected; a watch from `revision + 1` keeps the value current).
+pub async fn get_inode_at(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+) -> Result<(Option<InodeAttr>, Revision), MetaError> {
+    let key = keys.inode(ino);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    let rev = Revision(r.revision);
+    let Some(item) = r.kvs.first() else {
+        return Ok((None, rev));
+    };
+    let attr: InodeAttr = decode_at(keys, &key, &item.value)?;
+    if attr.ino != ino {
+        return Err(MetaError::Corrupt {
+            key: keys.describe(&key),
+            reason: format!("inode record says ino {}", attr.ino),
+        });
+    }
+    Ok((Some(attr), rev))
+}
+
+/// Looks up one name, with the store revision of the read.
+pub async fn lookup_at(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    parent: Ino,
+    name: &[u8],
+) -> Result<(Option<Dentry>, Revision), MetaError> {
+    let key = keys.dentry(parent, name);
+    let r = kv.range(RangeRequest::key(key.clone())).await?;
+    let d = r
+        .kvs
+        .first()
+        .map(|item| decode_at(keys, &key, &item.value))
+        .transpose()?;
+    Ok((d, Revision(r.revision)))
+}
+
+/// The store's current revision (one read of the superblock key).
+pub async fn revision(kv: &dyn KvBackend, keys: &Keyspace) -> Result<Revision, MetaError> {
+    let r = kv
+        .range(RangeRequest::key(keys.superblock()).keys_only())
+        .await?;
+    Ok(Revision(r.revision))
+}
+
 /// Looks up one name.
 pub async fn lookup(
     kv: &dyn KvBackend,

@@ -28,11 +28,14 @@
 //! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
 //! unlinked file alive is the open count, through an orphan record in etcd.
 
+mod cache;
+mod clock;
 mod errno;
 mod files;
 mod pool;
 #[cfg(test)]
 mod tests;
+mod watch;
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -55,6 +58,7 @@ use fusedev::{
     reply::{self, dirent_type, DirentWriter},
     request::{Operation, Request},
     server::{Handler, ReadPlan, Reply, RequestCtx, Segment},
+    transport::Notifier,
 };
 use meta::{
     clock::{Clock, SystemClock},
@@ -72,6 +76,7 @@ use meta::{
 use uring::AlignedBuf;
 
 use self::{
+    cache::{CacheConfig, Caches, Lookup},
     files::{FileState, Files},
     pool::Pool,
 };
@@ -128,7 +133,35 @@ pub(crate) struct FsConfig {
     pub prefix: String,
     pub attr_timeout: Duration,
     pub entry_timeout: Duration,
+    /// How long the kernel may cache an absent name (a negative entry).
+    pub negative_timeout: Duration,
+    /// Names a directory may have for its name set to be read in one range.
+    pub dir_names_max: usize,
     pub cores: usize,
+}
+
+/// Kernel cache timeouts and the daemon's cache sizing.
+#[derive(Debug, Clone)]
+pub(crate) struct CacheOpts {
+    pub attr_timeout: Duration,
+    pub entry_timeout: Duration,
+    pub negative_timeout: Duration,
+    pub dir_names_max: usize,
+    pub cores: usize,
+}
+
+impl CacheOpts {
+    /// Tests: the same timeout for everything, default cache sizes.
+    #[cfg(test)]
+    pub(crate) fn uniform(t: Duration) -> Self {
+        CacheOpts {
+            attr_timeout: t,
+            entry_timeout: t,
+            negative_timeout: t,
+            dir_names_max: cache::DIR_NAMES_MAX,
+            cores: 1,
+        }
+    }
 }
 
 /// What `etcfs mkfs` prints.
@@ -307,17 +340,33 @@ fn proc_status_id(field: &str) -> u32 {
         .unwrap_or(0)
 }
 
+/// The kernel notifier of the process's mount, for the daemon, which holds the handler as
+/// a `dyn Handler` (one filesystem per daemon process). [`EtcFs::set_notifier`] sets it for
+/// one instance instead.
+static PROCESS_NOTIFIER: std::sync::OnceLock<Notifier> = std::sync::OnceLock::new();
+
+/// Gives every filesystem of this process the mount's notifier (call once the FUSE session
+/// runs, from the daemon).
+pub(crate) fn set_notifier(n: Notifier) {
+    let _ = PROCESS_NOTIFIER.set(n);
+}
+
 /// The filesystem. Cheap to share: the state is in an `Arc` that the waiter threads hold.
 pub(crate) struct EtcFs {
     inner: Arc<Inner>,
     pool: Pool,
     housekeeping: Mutex<Option<std::thread::JoinHandle<()>>>,
+    invalidation: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Everything an operation needs, shared by the cores and the waiters.
 pub(crate) struct Inner {
     attr_timeout: Duration,
     entry_timeout: Duration,
+    negative_timeout: Duration,
+    caches: Caches,
+    /// Set once the FUSE session runs ([`EtcFs::set_notifier`]).
+    notifier: Mutex<Option<Notifier>>,
     meta: MetaClient,
     pipeline: Mutex<Option<Pipeline>>,
     session: Mutex<Option<Arc<Session>>>,
@@ -363,12 +412,18 @@ impl EtcFs {
                 t0.elapsed().as_secs_f64()
             )
         })?;
+        let opts = CacheOpts {
+            attr_timeout: cfg.attr_timeout,
+            entry_timeout: cfg.entry_timeout,
+            negative_timeout: cfg.negative_timeout,
+            dir_names_max: cfg.dir_names_max,
+            cores: cfg.cores,
+        };
         Self::open_with(
             pipeline,
             session,
             Dev::File(dev),
-            cfg.attr_timeout,
-            cfg.entry_timeout,
+            &opts,
             (cfg.cores * WAITERS_PER_CORE).max(WAITERS_MIN),
         )
     }
@@ -378,8 +433,7 @@ impl EtcFs {
         pipeline: Pipeline,
         session: Session,
         dev: Dev,
-        attr_timeout: Duration,
-        entry_timeout: Duration,
+        opts: &CacheOpts,
         waiters: usize,
     ) -> anyhow::Result<EtcFs> {
         let meta = pipeline.client();
@@ -404,8 +458,11 @@ impl EtcFs {
                 as Arc<dyn Fn() -> bool + Send + Sync>
         };
         let inner = Arc::new(Inner {
-            attr_timeout,
-            entry_timeout,
+            attr_timeout: opts.attr_timeout,
+            entry_timeout: opts.entry_timeout,
+            negative_timeout: opts.negative_timeout,
+            caches: Caches::new(CacheConfig::for_cores(opts.cores, opts.dir_names_max)),
+            notifier: Mutex::new(None),
             meta,
             pipeline: Mutex::new(Some(pipeline)),
             session: Mutex::new(Some(session)),
@@ -431,11 +488,24 @@ impl EtcFs {
                 .spawn(move || housekeeping(weak))
                 .context("spawning the housekeeping thread")?
         };
+        let inval = watch::start(&inner).context("spawning the invalidation thread")?;
         Ok(EtcFs {
             pool: Pool::new(waiters, WAITER_QUEUE_MAX, inner.clone()),
             inner,
             housekeeping: Mutex::new(Some(hk)),
+            invalidation: Mutex::new(Some(inval)),
         })
+    }
+
+    /// Hands the filesystem the means to invalidate the kernel's caches; call once the
+    /// FUSE session runs. Until then, invalidations the watch produces are only applied
+    /// to the daemon's caches (the kernel cannot have cached anything yet).
+    #[allow(
+        dead_code,
+        reason = "the daemon holds a dyn Handler and uses the process-wide fs::set_notifier"
+    )]
+    pub(crate) fn set_notifier(&self, n: Notifier) {
+        *lock(&self.inner.notifier) = Some(n);
     }
 
     #[cfg(test)]
@@ -509,15 +579,94 @@ impl Inner {
 
     /// Commits a mutation and waits (on a waiter thread).
     fn commit(&self, m: Mutation) -> Result<Outcome, Errno> {
-        let out = self.meta.commit(m).map_err(|e| errno::meta(&e))?;
-        self.after_commit(&out);
-        Ok(out)
+        let ns = NsChange::of(&m, &self.caches);
+        match self.meta.commit(m) {
+            Ok(out) => {
+                self.after_commit(&out);
+                self.own_namespace(&ns, &out);
+                Ok(out)
+            }
+            Err(e) => {
+                if matches!(e, MetaError::Unavailable(_)) {
+                    // It may have been applied: what it touched is unknown now.
+                    ns.forget(&self.caches);
+                }
+                Err(errno::meta(&e))
+            }
+        }
+    }
+
+    /// Installs a committed namespace change in the caches (read-your-writes); the watch
+    /// later sees it marked as ours and leaves the kernel alone.
+    fn own_namespace(&self, ns: &NsChange, out: &Outcome) {
+        let c = &self.caches;
+        let rev = out.revision.0;
+        let new_entry = || {
+            out.ino
+                .zip(out.attr.as_ref())
+                .map(|(ino, a)| meta::codec::Dentry { ino, kind: a.kind })
+        };
+        match ns {
+            NsChange::None => {}
+            NsChange::Create { parent, name } => {
+                let d = new_entry();
+                if let Some(d) = d {
+                    if d.kind == FileType::Directory {
+                        // A new directory is empty at its creation revision, and the
+                        // parent's link count changed.
+                        c.fill_dir(d.ino.0, [], rev);
+                        c.forget_attr(*parent);
+                    }
+                    c.own_dentry(*parent, name, Some(d), rev);
+                } else {
+                    c.forget_name(*parent, name);
+                }
+            }
+            NsChange::Unlink { parent, name, dir } => {
+                c.own_dentry(*parent, name, None, rev);
+                if *dir {
+                    c.forget_attr(*parent);
+                    if let Some(child) = out.ino {
+                        c.forget_dir(child.0);
+                    }
+                }
+            }
+            NsChange::Rename {
+                src_parent,
+                src_name,
+                dst_parent,
+                dst_name,
+                exchange,
+                replaced,
+            } => {
+                if let Some(r) = replaced {
+                    c.forget_attr(*r);
+                    c.forget_dir(*r);
+                }
+                let moved = new_entry();
+                if *exchange || moved.is_none() {
+                    c.forget_name(*src_parent, src_name);
+                    c.forget_name(*dst_parent, dst_name);
+                } else {
+                    c.own_dentry(*src_parent, src_name, None, rev);
+                    c.own_dentry(*dst_parent, dst_name, moved, rev);
+                }
+                if *exchange || moved.is_some_and(|d| d.kind == FileType::Directory) {
+                    c.forget_attr(*src_parent);
+                    c.forget_attr(*dst_parent);
+                }
+            }
+        }
     }
 
     /// Bookkeeping every committed mutation needs: cached attributes, orphans, frees.
     fn after_commit(&self, out: &Outcome) {
         if let (Some(ino), Some(attr)) = (out.ino, &out.attr) {
             self.files.update_attr(ino.0, attr);
+            self.caches.own_attr(attr, out.revision.0);
+        }
+        if let (Some(ino), None) = (out.ino, &out.attr) {
+            self.caches.forget_attr(ino.0);
         }
         if let Some(ino) = out.orphaned {
             // Orphaned because *some* file was open here; if this one is not, reclaim now.
@@ -527,6 +676,7 @@ impl Inner {
         }
         if let Some(ino) = out.removed {
             self.files.forget_extents(ino.0);
+            self.caches.forget_attr(ino.0);
         }
         if !out.freed.is_empty() {
             self.release_blocks(&out.freed);
@@ -679,37 +829,126 @@ impl Inner {
         Ok(())
     }
 
-    /// Reads an inode's attributes (blocking a waiter thread).
+    /// Reads an inode's attributes from etcd (blocking a waiter thread) and caches them.
     fn get_attr(&self, ino: u64) -> Result<InodeAttr, Errno> {
-        match self.meta.get_inode(Ino(ino)).and_then(|t| t.wait()) {
-            Ok(Some((a, _))) => Ok(a),
-            Ok(None) => Err(Errno::ENOENT),
+        match self.meta.get_inode_at(Ino(ino)).and_then(|t| t.wait()) {
+            Ok((Some(a), rev)) => {
+                self.caches.fill_attr(&a, rev.0);
+                Ok(a)
+            }
+            Ok((None, _)) => Err(Errno::ENOENT),
             Err(e) => Err(errno::meta(&e)),
         }
     }
 
-    /// Attributes for GETATTR: the open file's cache, else etcd.
+    /// An inode's attributes from the daemon's cache, else etcd. For answers the kernel
+    /// caches anyway and for checks of things that never change (the type).
+    fn cached_attr(&self, ino: u64) -> Result<InodeAttr, Errno> {
+        if let Some(a) = self.caches.attr(ino) {
+            return Ok(a);
+        }
+        self.caches.n.attr_misses.fetch_add(1, Ordering::Relaxed);
+        self.get_attr(ino)
+    }
+
+    /// Attributes for GETATTR: the open file's state, the inode cache, else etcd.
     fn attr_of(&self, ino: u64) -> Result<(InodeAttr, Option<u64>), Errno> {
         if let Some(v) = self.files.cached_attr(ino) {
             return Ok(v);
         }
-        Ok((self.get_attr(ino)?, None))
+        Ok((self.cached_attr(ino)?, None))
+    }
+
+    /// The answer to a LOOKUP when the caches hold it (no etcd): the name set or entry
+    /// of the name, and the child's attributes.
+    fn lookup_local(&self, parent: u64, name: &[u8]) -> Option<Result<Done, Errno>> {
+        if let Err(e) = check_name(name) {
+            return Some(Err(e));
+        }
+        match self.caches.lookup(parent, name) {
+            Lookup::Absent => Some(Ok(self.negative_entry())),
+            Lookup::Found(d) => {
+                let (attr, blocks) = match self.files.cached_attr(d.ino.0) {
+                    Some(v) => v,
+                    None => (self.caches.attr(d.ino.0)?, None),
+                };
+                Some(Ok(done_bytes(&self.entry_out(&attr, blocks))))
+            }
+            Lookup::Unknown { .. } => None,
+        }
+    }
+
+    /// A negative entry: the kernel caches the absence for `negative_timeout`; a create
+    /// here or on another node (through the watch) invalidates it.
+    fn negative_entry(&self) -> Done {
+        done_bytes(&EntryOut::negative(self.negative_timeout))
+    }
+
+    /// Resolves a name: the caches, else the directory's whole name set in one range
+    /// (then later names in it need no etcd), else (a directory over `dir_names_max`)
+    /// the one name.
+    fn resolve(&self, parent: u64, name: &[u8]) -> Result<Option<meta::codec::Dentry>, Errno> {
+        let too_big = match self.caches.lookup(parent, name) {
+            Lookup::Found(d) => return Ok(Some(d)),
+            Lookup::Absent => return Ok(None),
+            Lookup::Unknown { too_big } => too_big,
+        };
+        let n = &self.caches.n;
+        n.lookups_etcd.fetch_add(1, Ordering::Relaxed);
+        let found = if too_big {
+            self.resolve_one(parent, name)?
+        } else {
+            n.dir_names_misses.fetch_add(1, Ordering::Relaxed);
+            let max = self.caches.dir_names_max();
+            match self.meta.dir_names(Ino(parent), max).and_then(|t| t.wait()) {
+                Ok(set) => {
+                    n.dir_names_loads.fetch_add(1, Ordering::Relaxed);
+                    let found = set.entries.iter().find(|e| e.name == name).map(|e| e.entry);
+                    self.caches.fill_dir(
+                        parent,
+                        set.entries.into_iter().map(|e| (e.name, e.entry)),
+                        set.revision.0,
+                    );
+                    found
+                }
+                Err(MetaError::OverLimit { .. }) => {
+                    n.dir_names_over_limit.fetch_add(1, Ordering::Relaxed);
+                    self.caches.fill_too_big(parent);
+                    self.resolve_one(parent, name)?
+                }
+                Err(e) => return Err(errno::meta(&e)),
+            }
+        };
+        let c = if found.is_some() {
+            &n.dentry_misses
+        } else {
+            &n.negative_misses
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        Ok(found)
+    }
+
+    fn resolve_one(&self, parent: u64, name: &[u8]) -> Result<Option<meta::codec::Dentry>, Errno> {
+        let (d, rev) = self
+            .meta
+            .lookup_at(Ino(parent), name.to_vec())
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        self.caches.fill_dentry(parent, name, d, rev.0);
+        Ok(d)
     }
 
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Done, Errno> {
         check_name(name)?;
-        let dentry = self
-            .meta
-            .lookup(Ino(parent), name.to_vec())
-            .and_then(|t| t.wait())
-            .map_err(|e| errno::meta(&e))?;
-        let Some(d) = dentry else {
-            // A negative entry: the kernel caches the absence for entry_timeout. Our own
-            // creates invalidate it in the kernel; other nodes' creates are the cluster
-            // issue's (INVAL_ENTRY).
-            return Ok(done_bytes(&EntryOut::negative(self.entry_timeout)));
+        let Some(d) = self.resolve(parent, name)? else {
+            return Ok(self.negative_entry());
         };
-        let (attr, blocks) = self.attr_of(d.ino.0)?;
+        let (attr, blocks) = match self.attr_of(d.ino.0) {
+            Ok(v) => v,
+            // Removed between the two reads: absent now.
+            Err(Errno::ENOENT) => return Ok(self.negative_entry()),
+            Err(e) => return Err(e),
+        };
         Ok(done_bytes(&self.entry_out(&attr, blocks)))
     }
 
@@ -739,7 +978,9 @@ impl Inner {
         let mut perm = (mode & 0o7777) as u16;
         let mut gid = h.gid;
         // A set-group-id directory passes its group (and, to subdirectories, the bit) on.
-        let pattr = self.get_attr(parent)?;
+        // The cached attributes do: the type never changes, a removed parent fails the
+        // create's own compare, and a mode change by another node arrives by the watch.
+        let pattr = self.cached_attr(parent)?;
         if pattr.kind != FileType::Directory {
             return Err(Errno::ENOTDIR);
         }
@@ -769,7 +1010,23 @@ impl Inner {
     }
 
     fn open_file(&self, ino: u64, flags: u32, dir: bool) -> Result<Done, Errno> {
-        let attr = self.get_attr(ino)?;
+        // A directory needs only its type; a file is read fresh (close-to-open: the size
+        // another node wrote before our open is seen).
+        let attr = if dir {
+            self.cached_attr(ino)?
+        } else {
+            self.get_attr(ino)?
+        };
+        self.open_with_attr(ino, flags, dir, attr)
+    }
+
+    fn open_with_attr(
+        &self,
+        ino: u64,
+        flags: u32,
+        dir: bool,
+        attr: InodeAttr,
+    ) -> Result<Done, Errno> {
         if dir {
             if attr.kind != FileType::Directory {
                 return Err(Errno::ENOTDIR);
@@ -952,9 +1209,16 @@ impl Inner {
     /// generic `after_commit` would take the same lock) and leaves the rest to
     /// [`Inner::after_commit_unlocked`].
     fn commit_locked(&self, f: &mut files::FileInner, m: Mutation) -> Result<Outcome, Errno> {
-        let out = self.meta.commit(m).map_err(|e| errno::meta(&e))?;
+        let out = match self.meta.commit(m) {
+            Ok(o) => o,
+            Err(e) => {
+                self.caches.forget_attr(f.attr.ino.0);
+                return Err(errno::meta(&e));
+            }
+        };
         if let Some(a) = &out.attr {
             f.attr = a.clone();
+            self.caches.own_attr(a, out.revision.0);
         }
         Ok(out)
     }
@@ -1348,11 +1612,22 @@ impl Inner {
                 let tickets: Vec<_> = page
                     .entries
                     .iter()
-                    .map(|e| self.meta.get_inode(e.entry.ino))
+                    .map(|e| match self.caches.attr(e.entry.ino.0) {
+                        Some(a) => Err(a),
+                        None => Ok(self.meta.get_inode_at(e.entry.ino)),
+                    })
                     .collect();
                 tickets
                     .into_iter()
-                    .map(|t| t.ok().and_then(|t| t.wait().ok()).flatten().map(|(a, _)| a))
+                    .map(|t| match t {
+                        Err(a) => Some(a),
+                        Ok(t) => {
+                            let (a, rev) = t.ok().and_then(|t| t.wait().ok())?;
+                            let a = a?;
+                            self.caches.fill_attr(&a, rev.0);
+                            Some(a)
+                        }
+                    })
                     .collect()
             } else {
                 Vec::new()
@@ -1797,12 +2072,7 @@ impl Inner {
         let attr = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None) {
             Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
                 // Another creator won; behave as open(2) does.
-                let d = self
-                    .meta
-                    .lookup(Ino(h.nodeid), name.to_vec())
-                    .and_then(|t| t.wait())
-                    .map_err(|e| errno::meta(&e))?
-                    .ok_or(Errno::ENOENT)?;
+                let d = self.resolve_one(h.nodeid, name)?.ok_or(Errno::ENOENT)?;
                 self.get_attr(d.ino.0)?
             }
             r => r?,
@@ -1810,7 +2080,7 @@ impl Inner {
         if attr.kind == FileType::Directory {
             return Err(Errno::EISDIR);
         }
-        let open = match self.open_file(attr.ino.0, flags, false)? {
+        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone())? {
             Done::Bytes(b) => b,
             _ => return Err(Errno::EIO),
         };
@@ -1860,6 +2130,95 @@ impl Inner {
         }
         if let Some(p) = lock(&self.pipeline).take() {
             p.shutdown();
+        }
+    }
+}
+
+/// The names a mutation changes, noted before it is committed.
+enum NsChange {
+    None,
+    Create {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Unlink {
+        parent: u64,
+        name: Vec<u8>,
+        dir: bool,
+    },
+    Rename {
+        src_parent: u64,
+        src_name: Vec<u8>,
+        dst_parent: u64,
+        dst_name: Vec<u8>,
+        exchange: bool,
+        /// The destination's inode as the caches knew it (its link count changes).
+        replaced: Option<u64>,
+    },
+}
+
+impl NsChange {
+    fn of(m: &Mutation, caches: &Caches) -> NsChange {
+        match m {
+            Mutation::Create { parent, name, .. } | Mutation::Link { parent, name, .. } => {
+                NsChange::Create {
+                    parent: parent.0,
+                    name: name.clone(),
+                }
+            }
+            Mutation::Unlink {
+                parent, name, dir, ..
+            } => NsChange::Unlink {
+                parent: parent.0,
+                name: name.clone(),
+                dir: *dir,
+            },
+            Mutation::Rename {
+                src_parent,
+                src_name,
+                dst_parent,
+                dst_name,
+                mode,
+                ..
+            } => NsChange::Rename {
+                src_parent: src_parent.0,
+                src_name: src_name.clone(),
+                dst_parent: dst_parent.0,
+                dst_name: dst_name.clone(),
+                exchange: *mode == RenameMode::Exchange,
+                replaced: match caches.lookup(dst_parent.0, dst_name) {
+                    Lookup::Found(d) => Some(d.ino.0),
+                    _ => None,
+                },
+            },
+            _ => NsChange::None,
+        }
+    }
+
+    /// The mutation's fate is unknown: drop what it may have changed.
+    fn forget(&self, c: &Caches) {
+        match self {
+            NsChange::None => {}
+            NsChange::Create { parent, name } | NsChange::Unlink { parent, name, .. } => {
+                c.forget_name(*parent, name);
+                c.forget_attr(*parent);
+            }
+            NsChange::Rename {
+                src_parent,
+                src_name,
+                dst_parent,
+                dst_name,
+                replaced,
+                ..
+            } => {
+                c.forget_name(*src_parent, src_name);
+                c.forget_name(*dst_parent, dst_name);
+                c.forget_attr(*src_parent);
+                c.forget_attr(*dst_parent);
+                if let Some(r) = replaced {
+                    c.forget_attr(*r);
+                }
+            }
         }
     }
 }
@@ -2110,6 +2469,10 @@ impl EtcFs {
         let ino = h.nodeid;
         match req.op {
             Operation::Lookup { name } => {
+                // Answered on the core when the caches know the name (and its inode).
+                if let Some(r) = self.inner.lookup_local(ino, name) {
+                    return to_reply(r, out);
+                }
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| i.lookup(ino, &name))
             }
@@ -2118,6 +2481,9 @@ impl EtcFs {
             Operation::Getattr { .. } => {
                 if let Some((a, b)) = self.inner.files.cached_attr(ino) {
                     return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
+                }
+                if let Some(a) = self.inner.caches.attr(ino) {
+                    return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, None))), out);
                 }
                 self.offload(ctx, out, move |i| i.getattr(ino))
             }
@@ -2342,6 +2708,7 @@ impl Handler for EtcFs {
         for (name, n) in BUCKETS.iter().zip(m.mutations_per_txn_hist) {
             c.push((format!("etcd_txns_with_mutations_{name}"), n));
         }
+        c.extend(self.inner.caches.counters());
         c
     }
 
@@ -2349,6 +2716,9 @@ impl Handler for EtcFs {
         self.pool.drain();
         self.inner.shutdown();
         if let Some(h) = lock(&self.housekeeping).take() {
+            let _ = h.join();
+        }
+        if let Some(h) = lock(&self.invalidation).take() {
             let _ = h.join();
         }
     }

@@ -18,7 +18,7 @@ use meta::{
     session::SessionConfig, types::SessionId,
 };
 
-use super::{connect_backend, mkfs_on, pipeline_config, Dev, EtcFs};
+use super::{connect_backend, mkfs_on, pipeline_config, CacheOpts, Dev, EtcFs};
 use crate::data::{device::mem::MemDev, BLOCK_SIZE};
 
 const ROOT: u64 = FUSE_ROOT_ID;
@@ -60,6 +60,10 @@ fn format(kv: &Arc<MemEtcd>, dev: &MemDev, force: bool) -> anyhow::Result<super:
 }
 
 fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
+    mount_with(kv, dev, &CacheOpts::uniform(Duration::from_secs(1)))
+}
+
+fn mount_with(kv: &Arc<MemEtcd>, dev: &MemDev, opts: &CacheOpts) -> EtcFs {
     let clock = Arc::new(SystemClock::new());
     let (p, s) = Pipeline::start_with_session(
         connect_backend(kv.clone() as Arc<dyn KvBackend>),
@@ -69,15 +73,7 @@ fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
         pipeline_config(),
     )
     .unwrap();
-    EtcFs::open_with(
-        p,
-        s,
-        Dev::Mem(dev.clone()),
-        Duration::from_secs(1),
-        Duration::from_secs(1),
-        4,
-    )
-    .unwrap()
+    EtcFs::open_with(p, s, Dev::Mem(dev.clone()), opts, 4).unwrap()
 }
 
 impl Fx {
@@ -303,10 +299,16 @@ fn wrong_device_names_both_uuids() {
         pipeline_config(),
     )
     .unwrap();
-    let e = EtcFs::open_with(p, s, Dev::Mem(other), Duration::ZERO, Duration::ZERO, 1)
-        .err()
-        .expect("wrong device refused")
-        .to_string();
+    let e = EtcFs::open_with(
+        p,
+        s,
+        Dev::Mem(other),
+        &CacheOpts::uniform(Duration::ZERO),
+        1,
+    )
+    .err()
+    .expect("wrong device refused")
+    .to_string();
     assert!(
         e.contains("holds filesystem") && e.contains("etcd prefix holds"),
         "{e}"
@@ -727,4 +729,153 @@ fn orphans_of_a_dead_session_are_reclaimed_at_mount() {
     let dump = kv.dump(b"t/O", b"t/P");
     assert!(dump.is_empty(), "orphan left: {dump:?}");
     drop(fs);
+}
+
+/// A second mount (its own session) of the filesystem `fx` serves.
+fn second_mount(fx: &Fx) -> Fx {
+    Fx {
+        fs: mount(&fx.kv, &fx.dev),
+        kv: fx.kv.clone(),
+        dev: fx.dev.clone(),
+        out: vec![0; 2 << 20],
+        unique: 1,
+    }
+}
+
+fn counter(fx: &Fx, name: &str) -> u64 {
+    fx.fs
+        .counters()
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no counter {name}"))
+        .1
+}
+
+/// Polls `f` for up to 2 s (the watch runs on its own thread).
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_secs(2) {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("{what}: not within 2 s");
+}
+
+#[test]
+fn negative_lookups_come_from_the_name_set() {
+    let mut fx = Fx::new();
+    // The caches answer only while the watch runs.
+    eventually("watch live", || counter(&fx, "watch_live") == 1);
+    let d = fx.mkdir(ROOT, b"d");
+    for i in 0..50 {
+        fx.create(d, format!("f{i}").as_bytes());
+    }
+    let before = counter(&fx, "lookups_etcd");
+    for i in 0..200 {
+        assert_eq!(fx.lookup(d, format!("missing{i}").as_bytes()).nodeid, 0);
+    }
+    for i in 0..50 {
+        assert_ne!(fx.lookup(d, format!("f{i}").as_bytes()).nodeid, 0);
+    }
+    // The directory was created here: its (empty) name set was known from the start and
+    // kept by our own creates, so nothing reached etcd.
+    assert_eq!(
+        counter(&fx, "lookups_etcd"),
+        before,
+        "{:?}",
+        fx.fs.counters()
+    );
+    assert!(counter(&fx, "cache_negative_hits") >= 200);
+    // A directory made elsewhere costs one range read, then nothing.
+    let mut b = second_mount(&fx);
+    eventually("watch live on b", || counter(&b, "watch_live") == 1);
+    let loads = counter(&b, "cache_dir_names_loads");
+    for i in 0..200 {
+        assert_eq!(b.lookup(d, format!("missing{i}").as_bytes()).nodeid, 0);
+    }
+    assert_eq!(counter(&b, "cache_dir_names_loads"), loads + 1);
+}
+
+#[test]
+fn changes_on_one_mount_reach_the_others_caches() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    eventually("watch live", || counter(&b, "watch_live") == 1);
+    assert_eq!(b.lookup(ROOT, b"x").nodeid, 0);
+    assert_eq!(b.lookup(ROOT, b"x").nodeid, 0);
+    assert!(counter(&b, "cache_negative_hits") > 0);
+    // Create on a: b's cached absence dies.
+    let (x, fh) = a.create(ROOT, b"x");
+    a.release(x, fh);
+    eventually("create seen", || b.lookup(ROOT, b"x").nodeid == x);
+    // chmod and size on a: b's cached attributes follow.
+    assert_eq!(b.getattr(x).attr.mode & 0o777, 0o644);
+    a.ok(
+        x,
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_MODE,
+            mode: 0o600,
+            ..SetattrIn::default()
+        }),
+    );
+    eventually("chmod seen", || b.getattr(x).attr.mode & 0o777 == 0o600);
+    a.truncate(x, 12345);
+    eventually("size seen", || b.getattr(x).attr.size == 12345);
+    // Rename and unlink on a.
+    a.ok(
+        ROOT,
+        Operation::Rename {
+            newdir: ROOT,
+            name: b"x",
+            newname: b"y",
+            flags: 0,
+        },
+    );
+    eventually("rename seen", || {
+        b.lookup(ROOT, b"x").nodeid == 0 && b.lookup(ROOT, b"y").nodeid == x
+    });
+    a.ok(ROOT, Operation::Unlink { name: b"y" });
+    eventually("unlink seen", || b.lookup(ROOT, b"y").nodeid == 0);
+    assert!(counter(&b, "watch_events_applied") > 0);
+}
+
+#[test]
+fn a_directory_over_the_name_set_limit_is_looked_up_name_by_name() {
+    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let dev = MemDev::new(DEV_BYTES);
+    format(&kv, &dev, false).unwrap();
+    let opts = CacheOpts {
+        dir_names_max: 16,
+        ..CacheOpts::uniform(Duration::from_secs(1))
+    };
+    let fx_of = |fs| Fx {
+        fs,
+        kv: kv.clone(),
+        dev: dev.clone(),
+        out: vec![0; 2 << 20],
+        unique: 1,
+    };
+    let mut fx = fx_of(mount_with(&kv, &dev, &opts));
+    eventually("watch live", || counter(&fx, "watch_live") == 1);
+    let d = fx.mkdir(ROOT, b"big");
+    let mut inos = Vec::new();
+    for i in 0..40 {
+        inos.push(fx.create(d, format!("f{i}").as_bytes()).0);
+    }
+    // A second mount has no name set for it: its first lookup finds it over the limit.
+    let mut b = fx_of(mount_with(&kv, &dev, &opts));
+    eventually("watch live", || counter(&b, "watch_live") == 1);
+    let _ = b.lookup(d, b"f0");
+    assert_eq!(counter(&b, "cache_dir_names_over_limit"), 1);
+    for (i, ino) in inos.iter().enumerate() {
+        assert_eq!(b.lookup(d, format!("f{i}").as_bytes()).nodeid, *ino);
+        assert_eq!(b.lookup(d, format!("g{i}").as_bytes()).nodeid, 0);
+    }
+    // And on the mount that made it, the set outgrew the limit.
+    for (i, ino) in inos.iter().enumerate() {
+        assert_eq!(fx.lookup(d, format!("f{i}").as_bytes()).nodeid, *ino);
+        assert_eq!(fx.lookup(d, format!("g{i}").as_bytes()).nodeid, 0);
+    }
 }

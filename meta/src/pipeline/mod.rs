@@ -227,6 +227,42 @@ mod commit_types {
         Box<dyn FnOnce() -> BoxFut<'static, Result<Arc<dyn KvBackend>, KvError>> + Send>;
 }
 
+/// A running watch over a filesystem's prefix (see [`MetaClient::watch_prefix`]).
+pub struct PrefixWatch {
+    rx: crossbeam_channel::Receiver<Result<Vec<crate::kv::WatchEvent>, KvError>>,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl std::fmt::Debug for PrefixWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixWatch").finish_non_exhaustive()
+    }
+}
+
+impl PrefixWatch {
+    /// The next batch, waiting at most `timeout` (`Ok(None)` on timeout). After an error
+    /// or once the pipeline is gone, the watch is over (`Err`).
+    pub fn next(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Result<Option<Vec<crate::kv::WatchEvent>>, KvError> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(Ok(b)) => Ok(Some(b)),
+            Ok(Err(e)) => Err(e),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                Err(KvError::Unavailable("watch closed".into()))
+            }
+        }
+    }
+}
+
+impl Drop for PrefixWatch {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Release);
+    }
+}
+
 /// The running pipeline: owns the thread. Drop or [`Pipeline::shutdown`] to stop it
 /// (pending timestamps are written first).
 pub struct Pipeline {
@@ -512,6 +548,92 @@ impl MetaClient {
         self.read(move |kv, keys| {
             Box::pin(async move { reader::get_inode(&*kv, &keys, ino).await })
         })
+    }
+
+    /// Reads an inode's attributes with the store revision of the read.
+    pub fn get_inode_at(
+        &self,
+        ino: Ino,
+    ) -> Result<Ticket<(Option<InodeAttr>, Revision)>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::get_inode_at(&*kv, &keys, ino).await })
+        })
+    }
+
+    /// Looks up a name, with the store revision of the read.
+    pub fn lookup_at(
+        &self,
+        parent: Ino,
+        name: Vec<u8>,
+    ) -> Result<Ticket<(Option<Dentry>, Revision)>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::lookup_at(&*kv, &keys, parent, &name).await })
+        })
+    }
+
+    /// The store's current revision.
+    pub fn revision(&self) -> Result<Ticket<Revision>, MetaError> {
+        self.read(|kv, keys| Box::pin(async move { reader::revision(&*kv, &keys).await }))
+    }
+
+    /// Watches every key of this filesystem from revision `from` (0 = from now on). The
+    /// batches (one per revision, in order) arrive on a bounded channel that a plain thread
+    /// can block on; an error (`Compacted` when `from` is no longer in etcd's history,
+    /// `Unavailable` when the stream broke) is the last item. Dropping the [`PrefixWatch`]
+    /// cancels the watch.
+    pub fn watch_prefix(&self, from: Revision) -> PrefixWatch {
+        let (tx, rx) = bounded(crate::kv::WATCH_BATCHES_MAX);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (kv, range, stop) = (self.backend.clone(), self.keys.all(), closed.clone());
+        self.runtime.spawn(async move {
+            let send = |item: Result<Vec<crate::kv::WatchEvent>, KvError>| {
+                let tx = tx.clone();
+                let stop = stop.clone();
+                async move {
+                    let mut item = item;
+                    loop {
+                        match tx.try_send(item) {
+                            Ok(()) => return true,
+                            Err(TrySendError::Disconnected(_)) => return false,
+                            Err(TrySendError::Full(back)) => {
+                                if stop.load(Ordering::Acquire) {
+                                    return false;
+                                }
+                                item = back;
+                                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                            }
+                        }
+                    }
+                }
+            };
+            let mut stream = match kv.watch(range.start, range.end, from.0).await {
+                Ok(s) => s,
+                Err(e) => {
+                    send(Err(e)).await;
+                    return;
+                }
+            };
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+            loop {
+                tokio::select! {
+                    msg = stream.recv() => {
+                        let item = msg.unwrap_or_else(|| {
+                            Err(KvError::Unavailable("watch stream ended".into()))
+                        });
+                        let end = item.is_err();
+                        if !send(item).await || end {
+                            return;
+                        }
+                    }
+                    _ = tick.tick() => {
+                        if stop.load(Ordering::Acquire) {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        PrefixWatch { rx, closed }
     }
 
     /// Looks up a name.

@@ -1,0 +1,301 @@
+//! The invalidation thread: one etcd watch over the filesystem's prefix keeps the daemon's
+//! caches ([`super::cache`]) and the kernel's coherent with every change, this node's own
+//! and other nodes'.
+//!
+//! * `D<parent><name>` put: the name set and entry are updated, and the kernel drops its
+//!   entry of the name (INVAL_ENTRY), so a negative entry it cached dies at once.
+//!   Delete: the same, with DELETE when the old child is known (INVAL_ENTRY otherwise).
+//! * `I<ino>` put/delete: the cached attributes are dropped and the kernel drops its
+//!   attributes (INVAL_INODE), and its cached data when size or mtime moved (or when we
+//!   cannot tell).
+//! * `E<ino><off>` of a file open here: a cached extent map that does not already hold
+//!   the change (another node wrote) is dropped and re-read on the next access.
+//!
+//! A change this node made itself is recognised by its revision (the caches hold it,
+//! marked as ours, at exactly that revision, or the open file's state equals it); the
+//! kernel learnt of it from our reply, so nothing is sent. When unsure, we invalidate.
+//!
+//! Restarts: when the watch breaks (etcd unreachable, stream ended) the caches stop
+//! answering, and the watch is re-established from the revision after the last one
+//! applied. The daemon's caches are dropped (refilling is cheap and obviously right),
+//! while the replayed events still reach the kernel one by one, so the kernel misses
+//! nothing. When that history is compacted away, the missed changes cannot be named: the
+//! daemon's caches are dropped and the kernel keeps what it has until its timeouts
+//! (`--entry-timeout`, `--negative-timeout`, `--attr-timeout`) expire; that bound is the
+//! price of not having a "drop every entry" notification.
+//!
+//! Notifications are sent from this thread only, with no lock held: the kernel may hold
+//! a directory lock while it waits for our reply to a request, and a notification waits
+//! for that lock.
+
+use std::{
+    sync::{atomic::Ordering, Arc, Weak},
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use meta::{
+    codec::{decode_at, Dentry, InodeAttr},
+    error::KvError,
+    keys::KeyKind,
+    kv::{EventKind, WatchEvent},
+    types::Revision,
+};
+
+use super::{
+    cache::{Event, Kernel},
+    files, Inner,
+};
+use crate::data::plan::FileExtent;
+
+/// How often a quiet watch checks whether the filesystem is stopping.
+const POLL: Duration = Duration::from_millis(200);
+/// Waits between attempts to re-establish a broken watch.
+const RETRY_MIN: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+pub(super) fn start(inner: &Arc<Inner>) -> std::io::Result<JoinHandle<()>> {
+    let weak = Arc::downgrade(inner);
+    std::thread::Builder::new()
+        .name("etcfs-inval".into())
+        .spawn(move || run(&weak))
+}
+
+fn stopping(weak: &Weak<Inner>) -> bool {
+    weak.upgrade()
+        .is_none_or(|i| i.stopping.load(Ordering::Acquire))
+}
+
+fn pause(weak: &Weak<Inner>, d: Duration) {
+    let step = Duration::from_millis(50);
+    let mut waited = Duration::ZERO;
+    while waited < d && !stopping(weak) {
+        std::thread::sleep(step);
+        waited += step;
+    }
+}
+
+fn run(weak: &Weak<Inner>) {
+    // The last revision applied, to resume after; None: start from now.
+    let mut resume: Option<i64> = None;
+    let mut backoff = RETRY_MIN;
+    loop {
+        if stopping(weak) {
+            return;
+        }
+        let Some(i) = weak.upgrade() else { return };
+        let now = match i.meta.revision().and_then(|t| t.wait()) {
+            Ok(r) => r.0,
+            Err(e) => {
+                log::warn!("cache watch: reading the etcd revision: {e}");
+                drop(i);
+                pause(weak, backoff);
+                backoff = (backoff * 2).min(RETRY_MAX);
+                continue;
+            }
+        };
+        let from = resume.map_or(now + 1, |a| a + 1);
+        let w = i.meta.watch_prefix(Revision(from));
+        if resume.is_some() {
+            i.caches.drop_all();
+        }
+        i.caches.go_live(now);
+        drop(i);
+        let end = loop {
+            match w.next(POLL) {
+                Ok(None) => {
+                    if stopping(weak) {
+                        return;
+                    }
+                }
+                Ok(Some(batch)) => {
+                    let Some(i) = weak.upgrade() else { return };
+                    apply(&i, &batch);
+                    backoff = RETRY_MIN;
+                }
+                Err(e) => break e,
+            }
+        };
+        let Some(i) = weak.upgrade() else { return };
+        if i.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        i.caches.suspend();
+        match end {
+            KvError::Compacted { compact_revision } => {
+                log::warn!(
+                    "cache watch: history compacted (at {compact_revision}) past revision {}; \
+                     dropping every cache",
+                    i.caches.applied()
+                );
+                i.caches.n.watch_resyncs.fetch_add(1, Ordering::Relaxed);
+                i.caches.drop_all();
+                resume = None;
+            }
+            e => {
+                log::warn!(
+                    "cache watch broke: {e}; resuming after revision {}",
+                    i.caches.applied()
+                );
+                i.caches.n.watch_restarts.fetch_add(1, Ordering::Relaxed);
+                resume = Some(i.caches.applied());
+                drop(i);
+                pause(weak, backoff);
+                backoff = (backoff * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
+/// Applies one batch of events in revision order, then tells the kernel.
+fn apply(i: &Inner, batch: &[WatchEvent]) {
+    let keys = i.meta.keys();
+    let mut kernel: Vec<Kernel> = Vec::new();
+    let mut current = None;
+    for ev in batch {
+        let rev = ev.kv.mod_revision;
+        if current != Some(rev) {
+            if let Some(r) = current {
+                i.caches.end(r);
+            }
+            i.caches.begin(rev);
+            current = Some(rev);
+        }
+        let put = ev.kind == EventKind::Put;
+        match keys.parse(&ev.kv.key) {
+            Some(KeyKind::Inode(ino)) => {
+                let attr = if put {
+                    decode_at::<InodeAttr>(keys, &ev.kv.key, &ev.kv.value).ok()
+                } else {
+                    None
+                };
+                let e = Event::Inode {
+                    ino: ino.0,
+                    attr: attr.clone(),
+                    deleted: !put,
+                };
+                if let Some(k) = i.caches.event(rev, &e) {
+                    kernel.push(refine_inode(i, k, attr.as_ref()));
+                }
+            }
+            Some(KeyKind::Dentry(parent, name)) => {
+                let new = if put {
+                    match decode_at::<Dentry>(keys, &ev.kv.key, &ev.kv.value) {
+                        Ok(d) => Some(d),
+                        Err(e) => {
+                            log::error!("cache watch: {e}");
+                            i.caches.forget_name(parent.0, &name);
+                            kernel.push(Kernel::InvalEntry {
+                                parent: parent.0,
+                                name,
+                            });
+                            continue;
+                        }
+                    }
+                } else {
+                    None
+                };
+                let e = Event::Dentry {
+                    parent: parent.0,
+                    name,
+                    new,
+                };
+                kernel.extend(i.caches.event(rev, &e));
+            }
+            Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
+            _ => {}
+        }
+    }
+    if let Some(r) = current {
+        i.caches.end(r);
+    }
+    notify(i, kernel);
+}
+
+/// An inode event of a file open here whose state already equals the new attributes is
+/// our own change (the kernel knows it); otherwise keep the data decision, sharpened by
+/// the open file's attributes when the cache had none.
+fn refine_inode(i: &Inner, k: Kernel, new: Option<&InodeAttr>) -> Kernel {
+    let Kernel::InvalInode { ino, data } = k else {
+        return k;
+    };
+    let (Some(st), Some(new)) = (i.files.get(ino), new) else {
+        return k;
+    };
+    let Some(f) = st.try_lock() else { return k };
+    if &f.attr == new {
+        return Kernel::InvalInode { ino, data: false };
+    }
+    let data = data && !(f.attr.size == new.size && f.attr.mtime == new.mtime);
+    Kernel::InvalInode { ino, data }
+}
+
+/// An extent key of `ino` changed: a cached map of an open file that does not already
+/// hold the change is dropped (re-read on the next access).
+fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
+    let Some(st) = i.files.get(ino) else { return };
+    // Blocking on the file's lock is fine here: its holder (a write) waits for etcd,
+    // never for this thread.
+    let mut f = st.lock();
+    let Some(map) = f.extents.as_ref() else {
+        return;
+    };
+    let consistent = if put {
+        match meta::codec::Extent::decode_value(off, value) {
+            Ok(e) => {
+                let want = FileExtent::from(&e);
+                files::overlapping(map, off, 1).contains(&want)
+            }
+            Err(_) => false,
+        }
+    } else {
+        !map.iter().any(|e| e.file_off == off)
+    };
+    if !consistent {
+        f.extents = None;
+        f.map_too_big = false;
+    }
+}
+
+fn notify(i: &Inner, kernel: Vec<Kernel>) {
+    if kernel.is_empty() {
+        return;
+    }
+    let Some(n) = super::lock(&i.notifier)
+        .clone()
+        .or_else(|| super::PROCESS_NOTIFIER.get().cloned())
+    else {
+        return;
+    };
+    let c = &i.caches.n;
+    for k in kernel {
+        let r = match &k {
+            Kernel::InvalEntry { parent, name } => {
+                c.kernel_inval_entry.fetch_add(1, Ordering::Relaxed);
+                n.inval_entry(*parent, name)
+            }
+            Kernel::Delete {
+                parent,
+                child,
+                name,
+            } => {
+                c.kernel_delete.fetch_add(1, Ordering::Relaxed);
+                // DELETE fails when the kernel's entry points elsewhere; drop it anyway.
+                n.delete(*parent, *child, name)
+                    .or_else(|_| n.inval_entry(*parent, name))
+            }
+            Kernel::InvalInode { ino, data } => {
+                c.kernel_inval_inode.fetch_add(1, Ordering::Relaxed);
+                if *data {
+                    c.kernel_inval_data.fetch_add(1, Ordering::Relaxed);
+                    n.inval_inode(*ino, 0, 0)
+                } else {
+                    n.inval_inode(*ino, -1, 0)
+                }
+            }
+        };
+        if let Err(e) = r {
+            log::debug!("kernel invalidation {k:?}: {e}");
+        }
+    }
+}
