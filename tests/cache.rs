@@ -1,0 +1,354 @@
+//! Cache coherence across mounts, on real FUSE mounts of the real `etcfs` binary with a
+//! real etcd: several daemons share one device image and one etcd prefix (exactly the
+//! multi-node setup, each daemon its own node session). Mount B caches names, absences
+//! and attributes in the kernel for 60 s, so only the invalidations its etcd watch sends
+//! can make another mount's change visible there within the 2 s we poll for.
+//!
+//! Needs `ETCD_ENDPOINTS` (skipped loudly without it, a failure with
+//! `ETCFS_REQUIRE_MOUNT_TESTS=1`), root and /dev/fuse. `ETCFS_BIN` overrides the binary.
+//! No `unsafe` (tests/tidy.rs): signals go through the `kill` command.
+
+use std::{
+    fs,
+    io::Write as _,
+    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+/// How long another mount's change may take to show (the watch latency is milliseconds).
+const VISIBLE_WITHIN: Duration = Duration::from_secs(2);
+const MOUNT_DEADLINE: Duration = Duration::from_secs(20);
+/// Long kernel timeouts on the observing mounts: only invalidation can refresh them.
+const LONG: &str = "60";
+
+fn loud(msg: &str) {
+    let _ = std::io::stderr().write_all(format!("{msg}\n").as_bytes());
+}
+
+fn bin() -> String {
+    std::env::var("ETCFS_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_etcfs").to_string())
+}
+
+/// The etcd endpoints, or None after a loud skip (a panic when mount tests are required).
+fn prerequisites(test: &str) -> Option<String> {
+    let required = std::env::var("ETCFS_REQUIRE_MOUNT_TESTS").as_deref() == Ok("1");
+    let root = fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
+    let why = match std::env::var("ETCD_ENDPOINTS") {
+        Err(_) => Some("ETCD_ENDPOINTS is not set".to_string()),
+        Ok(_) if !root => Some("not running as root".to_string()),
+        Ok(_) if !Path::new("/dev/fuse").exists() => Some("no /dev/fuse".to_string()),
+        Ok(e) => return Some(e),
+    };
+    let why = why.unwrap_or_default();
+    assert!(!required, "{test}: {why} but ETCFS_REQUIRE_MOUNT_TESTS=1");
+    loud(&format!(
+        "\n*** SKIP tests/cache.rs {test}: {why} (set ETCD_ENDPOINTS=http://host:port) ***\n"
+    ));
+    None
+}
+
+fn mounted(path: &Path) -> bool {
+    let want = path.to_string_lossy().into_owned();
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|p| p == want)
+}
+
+/// One filesystem (device image + etcd prefix) and the daemons mounting it; everything is
+/// torn down on drop, also when a test panics.
+struct Cluster {
+    base: PathBuf,
+    etcd: String,
+    prefix: String,
+    device: PathBuf,
+    daemons: Vec<(Child, PathBuf, PathBuf)>,
+}
+
+impl Cluster {
+    fn new(etcd: &str, label: &str) -> Cluster {
+        let base = PathBuf::from(format!("/tmp/etcfs-cache-{}-{label}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        fs::create_dir_all(&base).expect("create test dir");
+        let prefix = format!("cachetest{}{label}", std::process::id());
+        let device = base.join("dev.img");
+        let f = fs::File::create(&device).expect("create device image");
+        f.set_len(256 << 20).expect("size device image");
+        let c = Cluster {
+            base,
+            etcd: etcd.to_string(),
+            prefix,
+            device,
+            daemons: Vec::new(),
+        };
+        let out = Command::new(bin())
+            .args([
+                "mkfs", "--force", "--etcd", &c.etcd, "--prefix", &c.prefix, "--device",
+            ])
+            .arg(&c.device)
+            .output()
+            .expect("run etcfs mkfs");
+        assert!(
+            out.status.success(),
+            "mkfs: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        c
+    }
+
+    /// Mounts the filesystem once more (`etcfs mount -f` as a child) with `extra` flags.
+    fn mount(&mut self, name: &str, extra: &[&str]) -> PathBuf {
+        let mnt = self.base.join(name);
+        fs::create_dir_all(&mnt).expect("create mountpoint");
+        let log = self.base.join(format!("{name}.log"));
+        let logf = fs::File::create(&log).expect("create log");
+        let child = Command::new(bin())
+            .args([
+                "mount",
+                "-f",
+                "--etcd",
+                &self.etcd,
+                "--prefix",
+                &self.prefix,
+            ])
+            .arg("--device")
+            .arg(&self.device)
+            .args(extra)
+            .arg(&mnt)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone().expect("dup log"))
+            .stderr(logf)
+            .spawn()
+            .expect("spawn etcfs mount");
+        self.daemons.push((child, mnt.clone(), log.clone()));
+        let t0 = Instant::now();
+        while !mounted(&mnt) {
+            let (child, ..) = self.daemons.last_mut().expect("just pushed");
+            if let Ok(Some(st)) = child.try_wait() {
+                panic!(
+                    "etcfs mount exited ({st}):\n{}",
+                    fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            assert!(
+                t0.elapsed() < MOUNT_DEADLINE,
+                "not mounted within {MOUNT_DEADLINE:?}:\n{}",
+                fs::read_to_string(&log).unwrap_or_default()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        // The caches answer once the daemon's watch runs; wait for that.
+        let t0 = Instant::now();
+        while stat_counter(&mnt, "watch_live") != Some(1) && t0.elapsed() < MOUNT_DEADLINE {
+            thread::sleep(Duration::from_millis(20));
+        }
+        mnt
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (child, ..) in &self.daemons {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        }
+        for (child, mnt, log) in &mut self.daemons {
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+            if child.try_wait().ok().flatten().is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            for _ in 0..5 {
+                if !mounted(mnt) {
+                    break;
+                }
+                let _ = Command::new("umount").arg("-l").arg(&*mnt).status();
+            }
+            if thread::panicking() {
+                loud(&format!(
+                    "--- {} ---\n{}",
+                    log.display(),
+                    fs::read_to_string(&*log).unwrap_or_default()
+                ));
+            }
+        }
+        let _ = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &self.etcd, "del", "--prefix"])
+            .arg(format!("{}/", self.prefix))
+            .stdout(Stdio::null())
+            .status();
+        let _ = fs::remove_dir_all(&self.base);
+    }
+}
+
+/// One counter of `etcfs stats --json` of the mount at `mnt`.
+fn stat_counter(mnt: &Path, name: &str) -> Option<u64> {
+    let out = Command::new(bin())
+        .args(["stats", "--json"])
+        .arg(mnt)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let at = text.find(&format!("\"{name}\""))?;
+    let rest = text.get(at + name.len() + 2..)?;
+    let digits: String = rest
+        .trim_start_matches([':', ' '])
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// Polls `f` until it holds or [`VISIBLE_WITHIN`] passes; returns how long it took.
+fn within(what: &str, mut f: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        if f() {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < VISIBLE_WITHIN,
+            "{what}: not visible within {VISIBLE_WITHIN:?}"
+        );
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn exists(p: &Path) -> bool {
+    fs::symlink_metadata(p).is_ok()
+}
+
+#[test]
+fn changes_on_one_mount_are_visible_on_another_despite_long_kernel_timeouts() {
+    let Some(etcd) = prerequisites("cross-mount invalidation") else {
+        return;
+    };
+    let mut c = Cluster::new(&etcd, "x");
+    let a = c.mount("a", &[]);
+    let long = [
+        "--entry-timeout",
+        LONG,
+        "--negative-timeout",
+        LONG,
+        "--attr-timeout",
+        LONG,
+    ];
+    let b = c.mount("b", &long);
+
+    // Create: B looked the name up and cached its absence (kernel and daemon).
+    for _ in 0..3 {
+        assert!(!exists(&b.join("x")));
+    }
+    fs::write(a.join("x"), b"hello").expect("create on a");
+    let t = within("create", || exists(&b.join("x")));
+    loud(&format!("create visible on the other mount after {t:?}"));
+
+    // Unlink: B holds a positive entry and attributes.
+    fs::write(a.join("gone"), b"").expect("create");
+    within("create before unlink", || exists(&b.join("gone")));
+    assert!(exists(&b.join("gone")));
+    fs::remove_file(a.join("gone")).expect("unlink on a");
+    within("unlink", || !exists(&b.join("gone")));
+
+    // Rename: both names cached on B (one present, one absent).
+    fs::write(a.join("r1"), b"r").expect("create");
+    within("create before rename", || exists(&b.join("r1")));
+    assert!(!exists(&b.join("r2")));
+    fs::rename(a.join("r1"), a.join("r2")).expect("rename on a");
+    within("rename", || !exists(&b.join("r1")) && exists(&b.join("r2")));
+
+    // Attributes: mode and size changed on A, cached on B.
+    let f = a.join("attrs");
+    fs::write(&f, b"").expect("create");
+    let fb = b.join("attrs");
+    within("create before chmod", || exists(&fb));
+    assert_ne!(fs::metadata(&fb).expect("stat on b").mode() & 0o777, 0o600);
+    fs::set_permissions(&f, fs::Permissions::from_mode(0o600)).expect("chmod on a");
+    within("chmod", || {
+        fs::metadata(&fb).is_ok_and(|m| m.mode() & 0o777 == 0o600)
+    });
+    let file = fs::OpenOptions::new().write(true).open(&f).expect("open");
+    file.set_len(3 * 4096 + 5).expect("truncate on a");
+    drop(file);
+    within("size", || {
+        fs::metadata(&fb).is_ok_and(|m| m.len() == 3 * 4096 + 5)
+    });
+
+    // Data written on A and read on B after the change (a fresh open on B).
+    fs::write(a.join("x"), b"changed content").expect("rewrite on a");
+    within("new data", || {
+        fs::read(b.join("x")).is_ok_and(|d| d == b"changed content")
+    });
+
+    // Directories: mkdir on A, a missing name inside cached on B, then created on A.
+    fs::create_dir(a.join("d")).expect("mkdir on a");
+    within("mkdir", || b.join("d").is_dir());
+    assert!(!exists(&b.join("d/late")));
+    fs::write(a.join("d/late"), b"").expect("create in d");
+    within("create in a new dir", || exists(&b.join("d/late")));
+    fs::remove_file(a.join("d/late")).expect("unlink");
+    fs::remove_dir(a.join("d")).expect("rmdir on a");
+    within("rmdir", || !exists(&b.join("d")));
+
+    // B's daemon answered from its caches and applied watch events.
+    let neg = stat_counter(&b, "cache_negative_hits").unwrap_or(0);
+    let events = stat_counter(&b, "watch_events_applied").unwrap_or(0);
+    let inval = stat_counter(&b, "kernel_inval_entry").unwrap_or(0);
+    loud(&format!(
+        "mount b: negative hits {neg}, watch events {events}, INVAL_ENTRY {inval}"
+    ));
+    assert!(events > 0 && inval > 0);
+}
+
+#[test]
+fn a_directory_larger_than_dir_names_max_answers_lookups() {
+    let Some(etcd) = prerequisites("dir-names-max") else {
+        return;
+    };
+    let mut c = Cluster::new(&etcd, "big");
+    let a = c.mount("a", &["--dir-names-max", "16"]);
+    let b = c.mount(
+        "b",
+        &[
+            "--dir-names-max",
+            "16",
+            "--entry-timeout",
+            LONG,
+            "--negative-timeout",
+            LONG,
+        ],
+    );
+    fs::create_dir(a.join("big")).expect("mkdir");
+    for i in 0..40 {
+        fs::write(a.join(format!("big/f{i}")), format!("{i}")).expect("create");
+    }
+    for i in 0..40 {
+        let p = b.join(format!("big/f{i}"));
+        within("listed name", || exists(&p));
+        assert_eq!(fs::read_to_string(&p).expect("read"), format!("{i}"));
+        assert!(!exists(&b.join(format!("big/g{i}"))));
+    }
+    assert!(stat_counter(&b, "cache_dir_names_over_limit").unwrap_or(0) >= 1);
+    // A name created later in the big directory, after B cached its absence.
+    fs::write(a.join("big/g7"), b"").expect("create");
+    within("create in the big dir", || exists(&b.join("big/g7")));
+    fs::remove_file(a.join("big/f3")).expect("unlink");
+    within("unlink in the big dir", || !exists(&b.join("big/f3")));
+    // And on the mount that made it.
+    assert!(exists(&a.join("big/g7")) && !exists(&a.join("big/f3")));
+    let names = fs::read_dir(b.join("big")).expect("readdir").count();
+    assert_eq!(names, 40);
+}
