@@ -291,7 +291,14 @@ impl Caches {
         Caches {
             inodes: Sharded::new(cfg.shards, cfg.inode_cache_max),
             dentries: Sharded::new(cfg.shards, cfg.dentry_cache_max),
-            dirs: Sharded::new(cfg.shards, cfg.dir_names_cache_max),
+            // Fewer shards for name sets when needed, so that one shard can always hold
+            // the largest set (`dir_names_max` names) within the total bound.
+            dirs: Sharded::new(
+                cfg.shards
+                    .min(cfg.dir_names_cache_max / (cfg.dir_names_max + 1))
+                    .max(1),
+                cfg.dir_names_cache_max,
+            ),
             log: Mutex::new(Log {
                 events: VecDeque::new(),
                 floor: None,
@@ -459,7 +466,11 @@ impl Caches {
             }
         }
         let w = set.names.len() + 1;
-        s.c.insert(parent, DirSet::Names(set), w);
+        if !s.c.insert(parent, DirSet::Names(set), w) {
+            // Heavier than the whole cache can hold: look names up one by one rather
+            // than read the set again on every lookup.
+            s.c.insert(parent, DirSet::TooBig, 1);
+        }
     }
 
     /// Remembers that `parent` has more names than `dir_names_max`.
@@ -1007,6 +1018,31 @@ mod tests {
             Lookup::Unknown { too_big: false },
             "read before the resync"
         );
+    }
+
+    #[test]
+    fn the_largest_name_set_always_fits_its_shard() {
+        let c = Caches::new(CacheConfig {
+            inode_cache_max: 16,
+            dentry_cache_max: 16,
+            dir_names_cache_max: 100,
+            dir_names_max: 40,
+            shards: 64,
+        });
+        c.go_live(10);
+        for d in 0..10u64 {
+            c.fill_dir(d, (0..40u8).map(|k| (vec![k], de(u64::from(k)))), 10);
+            assert_eq!(c.lookup(d, b"none"), Lookup::Absent);
+            assert!(counter(&c, "cache_dir_names") <= 100);
+        }
+        // A cache too small for a set remembers the directory as too big instead.
+        let c = Caches::new(CacheConfig {
+            dir_names_cache_max: 10,
+            ..cfg(16)
+        });
+        c.go_live(10);
+        c.fill_dir(1, (0..20u8).map(|k| (vec![k], de(u64::from(k)))), 10);
+        assert_eq!(c.lookup(1, b"none"), Lookup::Unknown { too_big: true });
     }
 
     #[test]
