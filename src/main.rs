@@ -121,11 +121,13 @@ pub(crate) struct MountArgs {
     /// directory is looked up name by name.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) dir_names_max: u64,
-    /// FUSE ring entries registered per CPU queue (each holds a 1 MiB buffer).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    /// FUSE ring entries registered per CPU queue (each holds a 1 MiB buffer). A request
+    /// waiting on etcd keeps its entry, so this bounds the requests in flight per queue.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(crate) ring_entries_per_queue: u32,
-    /// Reads kept outstanding per worker on /dev/fuse.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    /// Requests each /dev/fuse worker reads ahead and keeps in flight (each slot holds two
+    /// 0.5 MiB buffers and a pipe).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(crate) devfuse_reads_per_core: u32,
     /// Where the background daemon writes its log.
     #[arg(long)]
