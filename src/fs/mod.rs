@@ -583,6 +583,10 @@ impl Inner {
         match self.meta.commit(m) {
             Ok(out) => {
                 self.after_commit(&out);
+                if let (Some(ino), None) = (out.ino, &out.attr) {
+                    // Changed, but the outcome does not say to what.
+                    self.caches.forget_attr(ino.0);
+                }
                 self.own_namespace(&ns, &out);
                 Ok(out)
             }
@@ -664,9 +668,6 @@ impl Inner {
         if let (Some(ino), Some(attr)) = (out.ino, &out.attr) {
             self.files.update_attr(ino.0, attr);
             self.caches.own_attr(attr, out.revision.0);
-        }
-        if let (Some(ino), None) = (out.ino, &out.attr) {
-            self.caches.forget_attr(ino.0);
         }
         if let Some(ino) = out.orphaned {
             // Orphaned because *some* file was open here; if this one is not, reclaim now.
