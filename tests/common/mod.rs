@@ -968,7 +968,11 @@ int main(int argc, char **argv) {
         printf("0 %zd", n);
         if (size) {
             putchar(' ');
-            for (ssize_t i = 0; i < n; i++) putchar(buf[i] ? buf[i] : (i + 1 < n ? ',' : ' '));
+            /* NUL-separated names become comma-separated; the final NUL is dropped. */
+            for (ssize_t i = 0; i < n; i++) {
+                if (buf[i]) putchar(buf[i]);
+                else if (i + 1 < n) putchar(',');
+            }
         }
         putchar('\n');
         free(buf);

@@ -1,0 +1,297 @@
+//! Crash tests: `kill -9` of the etcfs daemon (the pid this test started), `umount -l` of
+//! the dead mount, remount of the same device and etcd prefix. What was fsync'd must be
+//! there, byte for byte; an unlinked-but-open file's orphan record and blocks must be
+//! reclaimed; data written after the remount must not land on blocks that hold data.
+//!
+//! Timing: the crashed daemon's etcd session lease (10 s TTL, `meta::session`) must expire
+//! before another session may reclaim its orphans; the new daemon looks for dead sessions'
+//! orphans when it opens the filesystem and then every 5 s (housekeeping), so reclaiming
+//! takes about 10–15 s after the kill. The test waits at most [`RECLAIM_DEADLINE`].
+//!
+//! Needs root, `/dev/fuse` and `ETCD_ENDPOINTS` (see `common`); skips loudly otherwise,
+//! and fails instead when `ETCFS_REQUIRE_MOUNT_TESTS=1`.
+
+mod common;
+
+use std::{
+    fs::{self, File, OpenOptions},
+    io::Write as _,
+    os::unix::fs::{FileExt as _, MetadataExt as _, PermissionsExt as _},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use common::{assert_same_bytes, df_avail, eventually, loud, pattern, sorted_names, TestFs};
+
+const MIB: u64 = 1 << 20;
+/// Lease TTL (10 s) + housekeeping interval (5 s) + margin.
+const RECLAIM_DEADLINE: Duration = Duration::from_secs(40);
+
+fn write_synced(p: &std::path::Path, data: &[u8]) {
+    let mut f = File::create(p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));
+    for chunk in data.chunks(777_777) {
+        f.write_all(chunk).expect("write");
+    }
+    f.sync_all().expect("fsync");
+}
+
+fn fsync_dir(p: &std::path::Path) {
+    File::open(p)
+        .and_then(|d| d.sync_all())
+        .unwrap_or_else(|e| panic!("fsync dir {}: {e}", p.display()));
+}
+
+#[test]
+fn fsynced_data_survives_kill9() {
+    let Some(fs) = TestFs::new_or_skip("fsynced_data_survives_kill9", None) else {
+        return;
+    };
+    let m = fs.mount("auto", &[]);
+    let big = pattern(6 * MIB as usize + 12_345, 0x33);
+    write_synced(&m.path("big"), &big);
+    // An in-place overwrite of fsync'd data, fsync'd again.
+    let mut big2 = big.clone();
+    let patch = pattern(100_000, 0x77);
+    big2[3_000_001..3_100_001].copy_from_slice(&patch);
+    {
+        let f = OpenOptions::new()
+            .write(true)
+            .open(m.path("big"))
+            .expect("open");
+        f.write_all_at(&patch, 3_000_001).expect("overwrite");
+        f.sync_data().expect("fdatasync");
+    }
+    // Namespace changes, made durable with fsync on their directories.
+    fs::create_dir(m.path("d")).expect("mkdir d");
+    fs::create_dir(m.path("d/sub")).expect("mkdir d/sub");
+    write_synced(&m.path("d/sub/leaf"), b"leaf");
+    write_synced(&m.path("d/final"), b"version 1");
+    // The atomic-replace idiom: write a temp file, fsync, rename over, fsync the directory.
+    write_synced(&m.path("d/final.tmp"), b"version 2");
+    fs::rename(m.path("d/final.tmp"), m.path("d/final")).expect("rename over");
+    write_synced(&m.path("moved"), &pattern(40_000, 1));
+    fs::rename(m.path("moved"), m.path("d/moved")).expect("rename across");
+    std::os::unix::fs::symlink("sub/leaf", m.path("d/link")).expect("symlink");
+    fs::hard_link(m.path("d/sub/leaf"), m.path("hard")).expect("link");
+    fs::set_permissions(m.path("hard"), fs::Permissions::from_mode(0o600)).expect("chmod");
+    write_synced(&m.path("gone"), b"removed before the crash");
+    fs::remove_file(m.path("gone")).expect("unlink");
+    {
+        let f = OpenOptions::new()
+            .write(true)
+            .open(m.path("d/moved"))
+            .expect("open");
+        f.set_len(12_345).expect("truncate");
+        f.sync_all().expect("fsync");
+    }
+    fsync_dir(&m.path("d/sub"));
+    fsync_dir(&m.path("d"));
+    fsync_dir(&m.mnt);
+
+    m.crash();
+
+    let m = fs.mount("auto", &[]);
+    let check = |m: &common::Daemon, when: &str| {
+        assert_same_bytes(
+            &format!("big {when}"),
+            &fs::read(m.path("big")).expect("read big"),
+            &big2,
+        );
+        assert_eq!(sorted_names(&m.mnt), ["big", "d", "hard"], "{when}");
+        assert_eq!(
+            sorted_names(&m.path("d")),
+            ["final", "link", "moved", "sub"],
+            "{when}"
+        );
+        assert_eq!(
+            fs::read(m.path("d/final")).expect("read final"),
+            b"version 2"
+        );
+        assert_eq!(fs::read(m.path("d/sub/leaf")).expect("read leaf"), b"leaf");
+        assert_eq!(fs::read(m.path("d/link")).expect("read via link"), b"leaf");
+        assert_eq!(
+            fs::read_link(m.path("d/link")).expect("readlink"),
+            std::path::Path::new("sub/leaf")
+        );
+        let md = fs::metadata(m.path("hard")).expect("stat hard");
+        assert_eq!(md.nlink(), 2, "{when}: link count");
+        assert_eq!(md.mode() & 0o7777, 0o600, "{when}: mode");
+        assert_eq!(
+            md.ino(),
+            fs::metadata(m.path("d/sub/leaf")).expect("stat").ino()
+        );
+        assert_eq!(
+            fs::read(m.path("d/moved")).expect("read moved"),
+            pattern(40_000, 1)[..12_345]
+        );
+    };
+    check(&m, "after kill -9 and remount");
+    // New data after the crash must not be written over blocks the crashed daemon used.
+    let fresh = pattern(32 * MIB as usize, 0x99);
+    write_synced(&m.path("fresh"), &fresh);
+    fs::remove_file(m.path("fresh")).expect("unlink fresh");
+    check(&m, "after writing 32 MiB more");
+    m.stop();
+    let m = fs.mount("auto", &[]);
+    check(&m, "after a clean remount");
+}
+
+#[test]
+fn unlinked_open_file_reclaimed_after_kill9() {
+    let Some(fs) = TestFs::new_or_skip("unlinked_open_file_reclaimed_after_kill9", None) else {
+        return;
+    };
+    let m = fs.mount("auto", &[]);
+    let avail0 = df_avail(&m.mnt);
+    let p = m.path("victim");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .expect("create");
+    let data = pattern(32 * MIB as usize, 0x42);
+    f.write_all_at(&data, 0).expect("write");
+    f.sync_all().expect("fsync");
+    fs::remove_file(&p).expect("unlink while open");
+    assert_eq!(
+        fs.etcd_key_count("O"),
+        1,
+        "an open unlinked file has an orphan record"
+    );
+    let avail_held = df_avail(&m.mnt);
+    assert!(
+        avail_held <= avail0 - 31 * MIB,
+        "the open unlinked file's space must be in use before the crash"
+    );
+    let killed = Instant::now();
+    m.crash();
+    drop(f); // its daemon is gone; the close goes nowhere
+
+    let m = fs.mount("auto", &[]);
+    assert_eq!(errno(fs::metadata(&p)), Some(libc::ENOENT));
+    let mut orphans = u64::MAX;
+    let mut avail = 0;
+    let reclaimed = eventually(RECLAIM_DEADLINE, || {
+        orphans = fs.etcd_key_count("O");
+        avail = df_avail(&m.mnt);
+        orphans == 0 && avail >= avail0 - MIB
+    });
+    assert!(
+        reclaimed,
+        "{RECLAIM_DEADLINE:?} after kill -9: {orphans} orphan record(s), {} MiB of the \
+         unlinked file's 32 MiB still in use",
+        (avail0.saturating_sub(avail)) >> 20
+    );
+    loud(&format!(
+        "unlinked_open_file_reclaimed_after_kill9: reclaimed {:.1} s after the kill",
+        killed.elapsed().as_secs_f64()
+    ));
+    // The reclaimed blocks are usable.
+    write_synced(&m.path("after"), &pattern(8 * MIB as usize, 1));
+    assert_same_bytes(
+        "after",
+        &fs::read(m.path("after")).expect("read"),
+        &pattern(8 * MIB as usize, 1),
+    );
+}
+
+/// Sets the flag when dropped, so background threads stop even when the test panics.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn errno<T>(r: std::io::Result<T>) -> Option<i32> {
+    r.err().and_then(|e| e.raw_os_error())
+}
+
+#[test]
+fn kill9_during_writes_leaves_a_consistent_filesystem() {
+    let Some(fs) = TestFs::new_or_skip("kill9_during_writes", None) else {
+        return;
+    };
+    let m = fs.mount("auto", &[]);
+    // Durable before the storm.
+    let keep = pattern(2 * MIB as usize, 7);
+    write_synced(&m.path("keep"), &keep);
+    fsync_dir(&m.mnt);
+    fs::create_dir(m.path("storm")).expect("mkdir");
+    fsync_dir(&m.mnt);
+    // Two writers create, write, rename and unlink files until the daemon dies. The guard
+    // stops them however this test ends.
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_guard = StopOnDrop(stop.clone());
+    let ops = Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = (0..2u8)
+        .map(|w| {
+            let dir = m.path("storm");
+            let (stop, ops) = (stop.clone(), ops.clone());
+            thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let p = dir.join(format!("w{w}-{i}"));
+                    let r = File::create(&p)
+                        .and_then(|mut f| f.write_all(&pattern(300_000, w)))
+                        .and_then(|_| fs::rename(&p, dir.join(format!("w{w}-{i}.done"))))
+                        .and_then(|_| {
+                            if i % 3 == 0 {
+                                fs::remove_file(dir.join(format!("w{w}-{i}.done")))
+                            } else {
+                                Ok(())
+                            }
+                        });
+                    if r.is_err() {
+                        thread::sleep(Duration::from_millis(5));
+                    }
+                    ops.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    while ops.load(Ordering::Relaxed) < 40 && start.elapsed() < Duration::from_secs(20) {
+        thread::sleep(Duration::from_millis(20));
+    }
+    m.crash();
+    stop.store(true, Ordering::SeqCst);
+    for w in writers {
+        w.join().expect("writer");
+    }
+
+    let m = fs.mount("auto", &[]);
+    assert_same_bytes(
+        "fsync'd file",
+        &fs::read(m.path("keep")).expect("read keep"),
+        &keep,
+    );
+    // Every name that survived is a whole, readable object: no EIO, no dangling entry.
+    let mut files = 0;
+    for e in fs::read_dir(m.path("storm")).expect("readdir storm") {
+        let e = e.expect("entry");
+        let md = fs::metadata(e.path())
+            .unwrap_or_else(|err| panic!("stat {:?} after the crash: {err}", e.file_name()));
+        assert!(md.is_file());
+        let data = fs::read(e.path())
+            .unwrap_or_else(|err| panic!("read {:?} after the crash: {err}", e.file_name()));
+        assert_eq!(data.len() as u64, md.len());
+        files += 1;
+    }
+    // And the filesystem takes new work.
+    fs::create_dir(m.path("storm/after")).expect("mkdir after the crash");
+    write_synced(&m.path("storm/after/x"), b"x");
+    fs::remove_dir_all(m.path("storm")).expect("rm -r after the crash");
+    loud(&format!(
+        "kill9_during_writes: {} writer ops before the kill, {files} files survived",
+        ops.load(Ordering::SeqCst)
+    ));
+}
