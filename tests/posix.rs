@@ -1160,7 +1160,7 @@ fn open_and_create() {
     OpenOptions::new()
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(false)
         .open(&f)
         .expect("O_CREAT on existing");
     assert_eq!(
