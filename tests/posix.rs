@@ -1312,14 +1312,15 @@ fn large_and_unaligned_io() {
     assert_same_bytes("model file", &fs::read(&q).expect("read"), &model);
 }
 
-/// KNOWN BUG (etcfs, under load): seeded random unaligned reads and writes on a growing
+/// Formerly a known bug under load (fixed in the fs: the late bookkeeping of
+/// an older commit replaced an open file's attributes): seeded random unaligned reads and writes on a growing
 /// file, each read checked against a model. Under load (the whole suite on 2 CPUs) etcfs has been seen to answer a READ
 /// just after a size-extending WRITE short, as if the file ended at an older size; the
 /// kernel then shrinks the file to that point (see the failure message: the fstat size
 /// equals where the short read stopped).
 #[test]
-fn known_bug_random_unaligned_io_matches_a_model() {
-    setup!(fs, m, "known_bug_random_unaligned_io_matches_a_model");
+fn random_unaligned_io_matches_a_model() {
+    setup!(fs, m, "random_unaligned_io_matches_a_model");
     let q = m.path("model");
     let mut model = pattern(64 * 1024, 9);
     fs::write(&q, &model).expect("create model file");
@@ -1370,14 +1371,15 @@ fn known_bug_random_unaligned_io_matches_a_model() {
     assert_same_bytes("model file", &fs::read(&q).expect("read"), &model);
 }
 
-/// KNOWN BUG (etcfs, under load): writes that extend a file, at and past its end,
+/// Formerly a known bug under load (fixed in the fs: the late bookkeeping of
+/// an older commit replaced an open file's attributes): writes that extend a file, at and past its end,
 /// interleaved with stats and reads: the size never goes back and every byte written reads
 /// back. Passes alone; in the whole suite (2 CPUs shared with other mounts) a stat right
 /// after a size-extending pwrite returns the size from before the write, and the kernel
 /// then shrinks the file to it.
 #[test]
-fn known_bug_extending_writes_keep_the_size() {
-    setup!(fs, m, "known_bug_extending_writes_keep_the_size");
+fn extending_writes_keep_the_size() {
+    setup!(fs, m, "extending_writes_keep_the_size");
     let p = m.path("grow");
     let f = OpenOptions::new()
         .read(true)

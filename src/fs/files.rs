@@ -26,6 +26,10 @@ pub(crate) const EXTENTS_CACHED_MAX: usize = 16384;
 #[derive(Debug)]
 pub(crate) struct FileInner {
     pub(crate) attr: InodeAttr,
+    /// The etcd revision `attr` is valid at. Attributes are replaced only by a newer
+    /// revision: the outcome of a commit that raced a later one (a FLUSH's mtime racing
+    /// an extending WRITE) must not bring back an older size.
+    pub(crate) attr_rev: i64,
     /// The whole map, sorted; `None` until loaded (or when dropped by invalidation).
     pub(crate) extents: Option<Vec<FileExtent>>,
     /// The map has more than [`EXTENTS_CACHED_MAX`] extents: do not try to cache it.
@@ -34,6 +38,19 @@ pub(crate) struct FileInner {
     pub(crate) orphaned: bool,
     /// mtime of in-place overwrites not yet written to etcd.
     pub(crate) mtime_dirty: Option<Timespec>,
+}
+
+impl FileInner {
+    /// Replaces the attributes with `attr`, valid at `rev`, unless the held ones are newer.
+    /// True when replaced.
+    pub(crate) fn set_attr(&mut self, attr: &InodeAttr, rev: i64) -> bool {
+        if rev < self.attr_rev {
+            return false;
+        }
+        self.attr = attr.clone();
+        self.attr_rev = rev;
+        true
+    }
 }
 
 #[derive(Debug)]
@@ -63,12 +80,21 @@ impl Files {
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Counts one more open of `ino` (adding it with `attr` when it was not open).
-    pub(crate) fn open(&self, ino: u64, attr: InodeAttr) -> Result<Arc<FileState>, Errno> {
+    /// Counts one more open of `ino` (adding it with `attr`, valid at revision `rev`, when
+    /// it was not open; when it was, newer attributes replace the held ones).
+    pub(crate) fn open(
+        &self,
+        ino: u64,
+        attr: InodeAttr,
+        rev: i64,
+    ) -> Result<Arc<FileState>, Errno> {
         let mut t = self.table();
         if let Some((n, st)) = t.get_mut(&ino) {
             *n += 1;
-            return Ok(st.clone());
+            let st = st.clone();
+            drop(t);
+            st.lock().set_attr(&attr, rev);
+            return Ok(st);
         }
         if t.len() >= OPEN_FILES_MAX {
             return Err(Errno::ENFILE);
@@ -77,6 +103,7 @@ impl Files {
             ino,
             inner: Mutex::new(FileInner {
                 attr,
+                attr_rev: rev,
                 extents: None,
                 map_too_big: false,
                 orphaned: false,
@@ -127,9 +154,10 @@ impl Files {
         Some((attr, blocks))
     }
 
-    pub(crate) fn update_attr(&self, ino: u64, attr: &InodeAttr) {
+    /// Attributes committed at `rev` (ignored when the held ones are newer).
+    pub(crate) fn update_attr(&self, ino: u64, attr: &InodeAttr, rev: i64) {
         if let Some(st) = self.get(ino) {
-            st.lock().attr = attr.clone();
+            st.lock().set_attr(attr, rev);
         }
     }
 

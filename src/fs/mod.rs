@@ -666,7 +666,7 @@ impl Inner {
     /// Bookkeeping every committed mutation needs: cached attributes, orphans, frees.
     fn after_commit(&self, out: &Outcome) {
         if let (Some(ino), Some(attr)) = (out.ino, &out.attr) {
-            self.files.update_attr(ino.0, attr);
+            self.files.update_attr(ino.0, attr, out.revision.0);
             self.caches.own_attr(attr, out.revision.0);
         }
         if let Some(ino) = out.orphaned {
@@ -832,10 +832,15 @@ impl Inner {
 
     /// Reads an inode's attributes from etcd (blocking a waiter thread) and caches them.
     fn get_attr(&self, ino: u64) -> Result<InodeAttr, Errno> {
+        self.get_attr_at(ino).map(|(a, _)| a)
+    }
+
+    /// [`Inner::get_attr`] with the revision the attributes were read at.
+    fn get_attr_at(&self, ino: u64) -> Result<(InodeAttr, i64), Errno> {
         match self.meta.get_inode_at(Ino(ino)).and_then(|t| t.wait()) {
             Ok((Some(a), rev)) => {
                 self.caches.fill_attr(&a, rev.0);
-                Ok(a)
+                Ok((a, rev.0))
             }
             Ok((None, _)) => Err(Errno::ENOENT),
             Err(e) => Err(errno::meta(&e)),
@@ -971,7 +976,7 @@ impl Inner {
         mode: u32,
         rdev: u64,
         symlink: Option<Vec<u8>>,
-    ) -> Result<InodeAttr, Errno> {
+    ) -> Result<(InodeAttr, i64), Errno> {
         check_name(name)?;
         if name == b"." || name == b".." {
             return Err(Errno::EEXIST);
@@ -1007,18 +1012,18 @@ impl Inner {
             },
             symlink,
         })?;
-        out.attr.ok_or(Errno::EIO)
+        Ok((out.attr.ok_or(Errno::EIO)?, out.revision.0))
     }
 
     fn open_file(&self, ino: u64, flags: u32, dir: bool) -> Result<Done, Errno> {
         // A directory needs only its type; a file is read fresh (close-to-open: the size
         // another node wrote before our open is seen).
-        let attr = if dir {
-            self.cached_attr(ino)?
+        let (attr, rev) = if dir {
+            (self.cached_attr(ino)?, 0)
         } else {
-            self.get_attr(ino)?
+            self.get_attr_at(ino)?
         };
-        self.open_with_attr(ino, flags, dir, attr)
+        self.open_with_attr(ino, flags, dir, attr, rev)
     }
 
     fn open_with_attr(
@@ -1027,6 +1032,7 @@ impl Inner {
         flags: u32,
         dir: bool,
         attr: InodeAttr,
+        rev: i64,
     ) -> Result<Done, Errno> {
         if dir {
             if attr.kind != FileType::Directory {
@@ -1050,7 +1056,7 @@ impl Inner {
         let fh = self.new_fh();
         let mut open_flags = 0;
         if attr.kind == FileType::Regular {
-            let st = self.files.open(ino, attr.clone())?;
+            let st = self.files.open(ino, attr.clone(), rev)?;
             let trunc = flags & libc::O_TRUNC as u32 != 0
                 && flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
             if trunc && attr.size != 0 {
@@ -1073,39 +1079,45 @@ impl Inner {
     /// Drops one open of a regular file; the last close of an orphan deletes it.
     fn release_file(&self, ino: u64) {
         if let Some(st) = self.files.close(ino) {
-            let mut f = st.lock();
-            let mtime = f.mtime_dirty.take();
-            let orphan = f.orphaned;
-            drop(f);
+            let orphan = st.lock().orphaned;
             if orphan {
+                st.lock().mtime_dirty = None;
                 self.reclaim_orphan(Ino(ino));
-            } else if let Some(t) = mtime {
-                self.persist_mtime(ino, t);
+            } else {
+                self.persist_mtime(&st);
             }
         }
     }
 
-    fn persist_mtime(&self, ino: u64, t: Timespec) {
+    /// Writes a pending in-place-overwrite mtime, holding the file's lock across the commit
+    /// so that it is ordered with the file's writes and truncates (a FLUSH racing an
+    /// extending WRITE on another fd of the file).
+    fn persist_mtime(&self, st: &FileState) {
+        let mut f = st.lock();
+        let Some(t) = f.mtime_dirty.take() else {
+            return;
+        };
         let m = Mutation::SetAttr {
-            ino: Ino(ino),
+            ino: Ino(st.ino),
             set: SetAttr {
                 mtime: Some(TimeSet::At(t)),
                 ..SetAttr::default()
             },
         };
-        match self.commit(m) {
-            Ok(_) | Err(Errno::ENOENT) => {}
-            Err(e) => log::warn!("writing mtime of inode {ino}: {e}"),
+        match self.commit_locked(&mut f, m) {
+            Ok(out) => {
+                drop(f);
+                self.after_commit_unlocked(&out);
+            }
+            Err(Errno::ENOENT) => {}
+            Err(e) => log::warn!("writing mtime of inode {}: {e}", st.ino),
         }
     }
 
     /// Writes a pending in-place-overwrite mtime now (FLUSH, FSYNC).
     fn flush_mtime(&self, ino: u64) {
         if let Some(st) = self.files.get(ino) {
-            let t = st.lock().mtime_dirty.take();
-            if let Some(t) = t {
-                self.persist_mtime(ino, t);
-            }
+            self.persist_mtime(&st);
         }
     }
 
@@ -1141,7 +1153,7 @@ impl Inner {
             if a.size > FILE_SIZE_MAX {
                 return Err(Errno::EFBIG);
             }
-            let attr = self.get_attr(ino)?;
+            let (attr, rev) = self.get_attr_at(ino)?;
             match attr.kind {
                 FileType::Regular => {}
                 FileType::Directory => return Err(Errno::EISDIR),
@@ -1149,7 +1161,7 @@ impl Inner {
             }
             // Truncation goes through the file's state (open or not) so the cached map
             // and the EOF block stay right.
-            let st = self.files.open(ino, attr)?;
+            let st = self.files.open(ino, attr, rev)?;
             let r = self.truncate(&st, a.size, set);
             self.release_file(ino);
             let attr = r?;
@@ -1200,7 +1212,6 @@ impl Inner {
         if let Some(map) = f.extents.as_mut() {
             files::trim_extents(map, size.next_multiple_of(BLOCK_SIZE));
         }
-        f.attr = attr.clone();
         drop(f);
         self.after_commit_unlocked(&out);
         Ok(attr)
@@ -1218,7 +1229,7 @@ impl Inner {
             }
         };
         if let Some(a) = &out.attr {
-            f.attr = a.clone();
+            f.set_attr(a, out.revision.0);
             self.caches.own_attr(a, out.revision.0);
         }
         Ok(out)
@@ -2070,18 +2081,19 @@ impl Inner {
     }
 
     fn create(&self, h: &abi::InHeader, name: &[u8], flags: u32, mode: u32) -> Result<Done, Errno> {
-        let attr = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None) {
+        let (attr, rev) = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None)
+        {
             Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
                 // Another creator won; behave as open(2) does.
                 let d = self.resolve_one(h.nodeid, name)?.ok_or(Errno::ENOENT)?;
-                self.get_attr(d.ino.0)?
+                self.get_attr_at(d.ino.0)?
             }
             r => r?,
         };
         if attr.kind == FileType::Directory {
             return Err(Errno::EISDIR);
         }
-        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone())? {
+        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone(), rev)? {
             Done::Bytes(b) => b,
             _ => return Err(Errno::EIO),
         };
@@ -2496,8 +2508,9 @@ impl EtcFs {
                     if target.is_empty() || target.len() > meta::types::SYMLINK_LEN_MAX {
                         return Err(Errno::ENAMETOOLONG);
                     }
-                    let a =
-                        i.make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target))?;
+                    let a = i
+                        .make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target))?
+                        .0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
             }
@@ -2510,16 +2523,18 @@ impl EtcFs {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
                     let kind = file_type_of(mode)?;
-                    let a =
-                        i.make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None)?;
+                    let a = i
+                        .make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None)?
+                        .0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
             }
             Operation::Mkdir { name, mode, umask } => {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
-                    let a =
-                        i.make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None)?;
+                    let a = i
+                        .make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None)?
+                        .0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
             }

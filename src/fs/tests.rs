@@ -463,6 +463,60 @@ fn write_read_truncate_and_space() {
     assert_eq!(fx.statfs().bfree, free0);
 }
 
+/// The bug behind posix `extending_writes_keep_the_size`: a FLUSH wrote the pending
+/// mtime of an open file (another fd's close) while a WRITE extended the file; the FLUSH's
+/// commit came first, but its bookkeeping ran after the WRITE's and put the older size
+/// back into the open file's state. GETATTR and READ then answered the old size (and the
+/// kernel shrank the file to it), and the next write zeroed the "old EOF block" tail.
+/// Here the late bookkeeping is replayed deterministically: a size this node has
+/// acknowledged must never go backwards.
+#[test]
+fn late_bookkeeping_of_an_older_commit_never_shrinks_an_open_file() {
+    use meta::pipeline::{Mutation, SetAttr, TimeSet};
+    use meta::types::{Ino, Timespec};
+
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    let head = pattern(3, 5000);
+    fx.write(ino, fh, 0, &head);
+    // The FLUSH's commit: the inode as it is now (5000 bytes), committed first.
+    let inner = fx.fs.inner().clone();
+    let flush = inner
+        .meta
+        .commit(Mutation::SetAttr {
+            ino: Ino(ino),
+            set: SetAttr {
+                mtime: Some(TimeSet::At(Timespec::new(1_700_000_000, 0))),
+                ..SetAttr::default()
+            },
+        })
+        .unwrap();
+    assert_eq!(flush.attr.as_ref().unwrap().size, 5000);
+    // The extending WRITE commits and is acknowledged.
+    let tail = pattern(4, 7000);
+    fx.write(ino, fh, 5000, &tail);
+    assert_eq!(fx.getattr(ino).attr.size, 12_000);
+    // Then the FLUSH's bookkeeping runs.
+    inner.after_commit(&flush);
+    assert_eq!(
+        fx.getattr(ino).attr.size,
+        12_000,
+        "an older commit's attributes replaced the acknowledged size"
+    );
+    same(
+        &fx.read(ino, fh, 0, 20_000),
+        &[&head[..], &tail[..]].concat(),
+    );
+    // A write after it must not treat the old size as EOF (it zeroed the tail of the
+    // "old EOF block" on the device).
+    fx.write(ino, fh, 12_000, b"more");
+    same(
+        &fx.read(ino, fh, 0, 20_000),
+        &[&head[..], &tail[..], b"more"].concat(),
+    );
+    fx.release(ino, fh);
+}
+
 #[test]
 fn reads_use_the_cached_map_and_device_not_etcd() {
     let mut fx = Fx::new();
