@@ -93,6 +93,7 @@ JFS_VENV=${JFS_VENV:-/var/tmp/etcfs-compare-venv}
 JFS=$JFS_VENV/bin/juicefs
 SYSTEMS=(etcfs juicefs local)
 T0=$(date +%s)
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 
 log() { echo "[compare $(date +%H:%M:%S)] $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -340,6 +341,7 @@ cat >"$SNAP" <<EOF
 set -e
 sys=\$1 tag=\$2 n=\$3 phase=\$4
 curl -sf "$ETCD_URL/metrics" >"\$tag-\$phase.etcd"
+grep '^drop_' /proc/vmstat >"\$tag-\$phase.vm" || true
 for i in \$(seq 0 \$((n - 1))); do
 	case \$sys in
 	etcfs) "$ETCFS" stats "$WORK/mnt/etcfs\$i" --json >"\$tag-\$phase.\$i.etcfs" ;;
@@ -564,7 +566,7 @@ done
 export RUNS FILES CLIENTS MISSING ENTRIES WARM_SWEEPS FIO_SIZE WARM_LOOPS DO_NEG DO_META DO_FIO
 export SYSTEMS="${SYSTEMS[*]}"
 export RUN_DATE="$(date -u '+%Y-%m-%d %H:%M UTC')"
-export MACHINE="$(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1)), $(free -g | awk '/^Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
+export MACHINE="$(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1)), $(free -g | awk '/^Mem:/ {print $2}') GiB RAM, kernel $(uname -r); load average $LOAD0 at the start, $(cut -d' ' -f1-3 /proc/loadavg) at the end (shared machine: other builds and tests run beside it)"
 export DISK="$(df --output=source /var/tmp | tail -1) ($(stat -f -c %T /var/tmp)), everything under /var/tmp"
 export VERSIONS="etcfs $HEAD (transport ${TRANSPORT:-n/a}; mount defaults: ${defaults:-n/a}); $("$JFS" version 2>/dev/null | head -1); etcd $(etcd --version 2>/dev/null | sed -n 's/^etcd Version: //p'); $(fio --version); gcc $(gcc -dumpversion)"
 export COMMAND="bash benches/compare/run.sh${ORIG_ARGS[*]:+ ${ORIG_ARGS[*]}}"
