@@ -254,6 +254,31 @@ pub(crate) fn lazy_umount(path: &Path) -> Output {
     .0
 }
 
+/// Aborts the FUSE connection mounted at `path` through fusectl
+/// (`/sys/fs/fuse/connections/<minor>/abort`): every request waiting on it fails at once.
+pub(crate) fn abort_connection(path: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let want = path.to_string_lossy();
+    let conns = Path::new("/sys/fs/fuse/connections");
+    let have_fusectl = std::fs::read_dir(conns).is_ok_and(|mut d| d.next().is_some());
+    if !have_fusectl {
+        let _ = Command::new("mount")
+            .args(["-t", "fusectl", "fusectl"])
+            .arg(conns)
+            .status();
+    }
+    for line in info.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        if f.get(4) == Some(&&*want) {
+            if let Some(minor) = f.get(2).and_then(|d| d.split(':').nth(1)) {
+                let _ = std::fs::write(conns.join(minor).join("abort"), b"1");
+            }
+        }
+    }
+}
+
 /// Lazily unmounts `path` until nothing is mounted there (at most a few tries).
 pub(crate) fn umount_all(path: &Path) {
     for _ in 0..5 {
@@ -461,8 +486,19 @@ impl Daemon {
 
     /// SIGKILL (a crash): reaps the daemon and lazily unmounts the dead mount.
     pub(crate) fn crash(mut self) {
+        let mnt = self.mnt.clone();
         let child = self.child();
         child.kill().expect("SIGKILL the daemon");
+        // A daemon thread caught in a cache invalidation waits in the kernel for a directory
+        // lock that a request to the dead daemon holds; such a process never finishes dying.
+        // Aborting the connection (what an administrator does) ends those requests.
+        if wait_bounded(child, Duration::from_secs(3)).is_none() {
+            loud(&format!(
+                "killed daemon of {} did not exit; aborting its connection",
+                mnt.display()
+            ));
+            abort_connection(&mnt);
+        }
         let _ = child.wait();
         umount_all(&self.mnt);
         assert!(!is_mounted(&self.mnt), "the dead mount is still there");
@@ -492,6 +528,9 @@ impl Drop for Daemon {
                     child.id()
                 ));
                 let _ = child.kill();
+                if wait_bounded(&mut child, Duration::from_secs(3)).is_none() {
+                    abort_connection(&self.mnt);
+                }
                 let _ = child.wait();
             }
         }

@@ -121,6 +121,7 @@ pub(crate) struct Shared {
     pub(crate) perf: Arc<perf::Registry>,
     pub(crate) negotiated: Negotiated,
     pub(crate) stop: AtomicBool,
+    notify_gate: Arc<NotifyGate>,
 }
 
 /// A running session: its workers serve until the filesystem is unmounted or [`stop`] is
@@ -213,6 +214,7 @@ impl Session {
             perf,
             negotiated,
             stop: AtomicBool::new(false),
+            notify_gate: Arc::default(),
         });
         let wakers = Arc::new(Mutex::new(Vec::new()));
         let mut threads = Vec::new();
@@ -274,6 +276,7 @@ impl Session {
     /// Asks every worker to stop after the request it is serving. Unmount first, or requests
     /// issued afterwards find no server (they fail with ENOTCONN once the device closes).
     pub fn stop(&self) {
+        self.shared.notify_gate.close_and_drain();
         self.shared.stop.store(true, Ordering::SeqCst);
         for w in self.wakers.lock().expect("waker list").iter() {
             w.wake();
@@ -282,7 +285,10 @@ impl Session {
 
     /// A handle for cache invalidations on this connection.
     pub fn notifier(&self) -> Notifier {
-        Notifier::new(self.shared.mount.clone())
+        Notifier {
+            mount: self.shared.mount.clone(),
+            gate: self.shared.notify_gate.clone(),
+        }
     }
 
     /// A handle to stop the session from another thread (a signal handler thread).
@@ -316,12 +322,45 @@ impl Session {
 #[derive(Clone, Debug)]
 pub struct Notifier {
     mount: Arc<Mount>,
+    gate: Arc<NotifyGate>,
+}
+
+/// Closes notifications before the workers stop. A notification about an entry takes the
+/// kernel's lock on its directory, which a request waiting for our reply may hold; once no
+/// worker is left to answer, such a write would block forever in the kernel, and a process
+/// with a thread stuck there never exits nor releases the connection. So shutdown closes
+/// the gate and waits for writes already in the kernel while the workers still serve.
+#[derive(Debug, Default)]
+struct NotifyGate {
+    closed: AtomicBool,
+    writes_in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// How long shutdown waits for notifications already in the kernel.
+const NOTIFY_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl NotifyGate {
+    /// Refuses new notifications and waits (bounded) for those in the kernel.
+    fn close_and_drain(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let start = std::time::Instant::now();
+        while self.writes_in_flight.load(Ordering::SeqCst) > 0 {
+            if start.elapsed() > NOTIFY_DRAIN_TIMEOUT {
+                log::warn!("a cache invalidation is still blocked in the kernel; stopping anyway");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }
 
 impl Notifier {
     /// A notifier for the connection of `mount`.
     pub fn new(mount: Arc<Mount>) -> Self {
-        Notifier { mount }
+        Notifier {
+            mount,
+            gate: Arc::default(),
+        }
     }
 
     /// Drops the kernel's cached attributes of `ino` and, with `off >= 0`, its cached data
@@ -342,11 +381,18 @@ impl Notifier {
     }
 
     fn send(&self, msg: &[u8]) -> io::Result<bool> {
-        match self.mount.write_message(msg) {
-            Ok(()) => Ok(true),
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
-            Err(e) => Err(e),
-        }
+        self.gate.writes_in_flight.fetch_add(1, Ordering::SeqCst);
+        let result = if self.gate.closed.load(Ordering::SeqCst) {
+            Ok(false)
+        } else {
+            match self.mount.write_message(msg) {
+                Ok(()) => Ok(true),
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        self.gate.writes_in_flight.fetch_sub(1, Ordering::SeqCst);
+        result
     }
 }
 
@@ -362,8 +408,9 @@ pub struct Stopper {
 }
 
 impl Stopper {
-    /// Unmounts (lazily when busy) and stops the workers.
+    /// Closes notifications, unmounts (lazily when busy) and stops the workers.
     pub fn shutdown(&self) {
+        self.shared.notify_gate.close_and_drain();
         if let Err(e) = self.shared.mount.unmount() {
             log::warn!("unmount failed: {e}");
         }
