@@ -784,17 +784,19 @@ fn directory_times_follow_changes() {
     directory_times("directory_times_follow_changes", false);
 }
 
-/// KNOWN BUG (etcfs): right after an entry is created, removed or renamed, stat of the
+/// Formerly a known bug (fixed: the fs now shows the times the pipeline writes
+/// coalesced at once): right after an entry is created, removed or renamed, stat of the
 /// directory still shows the old mtime/ctime; the new times appear about a second later.
 #[test]
-fn known_bug_directory_times_advance_at_once() {
-    directory_times("known_bug_directory_times_advance_at_once", true);
+fn directory_times_advance_at_once() {
+    directory_times("directory_times_advance_at_once", true);
 }
 
-/// KNOWN BUG (etcfs): stat right after setxattr/removexattr shows the old ctime.
+/// Formerly a known bug (fixed: the fs now shows the times the pipeline writes
+/// coalesced at once): stat right after setxattr/removexattr shows the old ctime.
 #[test]
-fn known_bug_ctime_advances_at_setxattr() {
-    setup!(fs, m, "known_bug_ctime_advances_at_setxattr");
+fn ctime_advances_at_setxattr() {
+    setup!(fs, m, "ctime_advances_at_setxattr");
     let f = m.path("f");
     fs::write(&f, b"x").expect("create");
     let c0 = ctime_ns(&f);

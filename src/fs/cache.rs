@@ -42,7 +42,10 @@ use std::{
     },
 };
 
-use meta::codec::{Dentry, InodeAttr};
+use meta::{
+    codec::{Dentry, InodeAttr},
+    types::Timespec,
+};
 
 use super::clock::ClockCache;
 
@@ -71,6 +74,8 @@ pub(crate) const DIR_NAMES_CACHE_MAX: usize = 262_144;
     allow(dead_code, reason = "the CLI's default is the same number")
 )]
 pub(crate) const DIR_NAMES_MAX: usize = 4096;
+/// Inodes with times this node moved that etcd does not show yet (coalesced writes).
+pub(crate) const PENDING_TIMES_MAX: usize = 16384;
 /// Watch events remembered for installs that race with the watch.
 const EVENT_LOG_MAX: usize = 16384;
 
@@ -275,6 +280,11 @@ pub(crate) struct Caches {
     inodes: Sharded<u64, Ver<InodeAttr>>,
     dentries: Sharded<(u64, Vec<u8>), Ver<Option<Dentry>>>,
     dirs: Sharded<u64, DirSet>,
+    /// Directory mtime/ctime (create, unlink, rename, link) and inode ctime (xattrs) that
+    /// this node's commits moved and the pipeline writes to etcd coalesced, up to a
+    /// second later: shown in every answer at once (read-your-writes), until the
+    /// attributes this node sees reach them.
+    times: Sharded<u64, (Option<Timespec>, Timespec)>,
     log: Mutex<Log>,
     /// The watch is running and caught up: answers and installs are allowed.
     live: AtomicBool,
@@ -299,6 +309,7 @@ impl Caches {
                     .max(1),
                 cfg.dir_names_cache_max,
             ),
+            times: Sharded::new(cfg.shards, PENDING_TIMES_MAX),
             log: Mutex::new(Log {
                 events: VecDeque::new(),
                 floor: None,
@@ -539,6 +550,37 @@ impl Caches {
             },
             1,
         );
+    }
+
+    /// Times this node's commit moved for `ino` (mtime when `Some`, and ctime) that etcd
+    /// will show only after the coalesced write.
+    pub(crate) fn own_times(&self, ino: u64, mtime: Option<Timespec>, ctime: Timespec) {
+        let mut s = self.times.at(mix(ino));
+        if let Some(v) = s.c.get_mut(&ino) {
+            v.0 = v.0.max(mtime);
+            v.1 = v.1.max(ctime);
+            return;
+        }
+        // Past the bound the oldest go first: those were written to etcd long ago.
+        s.c.insert(ino, (mtime, ctime), 1);
+    }
+
+    /// Applies pending times to attributes about to be answered; forgets them once the
+    /// attributes show them.
+    pub(crate) fn apply_times(&self, attr: &mut InodeAttr) {
+        let ino = attr.ino.0;
+        let mut s = self.times.at(mix(ino));
+        let Some(&(m, c)) = s.c.get(&ino) else {
+            return;
+        };
+        if m.is_none_or(|m| attr.mtime >= m) && attr.ctime >= c {
+            s.c.remove(&ino);
+            return;
+        }
+        if let Some(m) = m {
+            attr.mtime = attr.mtime.max(m);
+        }
+        attr.ctime = attr.ctime.max(c);
     }
 
     /// Drops an inode's cached attributes (a change whose result this node does not know).

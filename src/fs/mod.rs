@@ -565,12 +565,20 @@ impl Inner {
             a.generation,
             self.entry_timeout,
             self.attr_timeout,
-            fuse_attr(a, blocks),
+            fuse_attr(&self.with_times(a), blocks),
         )
     }
 
     fn attr_out(&self, a: &InodeAttr, blocks: Option<u64>) -> AttrOut {
-        AttrOut::new(self.attr_timeout, fuse_attr(a, blocks))
+        AttrOut::new(self.attr_timeout, fuse_attr(&self.with_times(a), blocks))
+    }
+
+    /// The attributes with the times this node moved and etcd shows only after the
+    /// pipeline's coalesced write.
+    fn with_times(&self, a: &InodeAttr) -> InodeAttr {
+        let mut a = a.clone();
+        self.caches.apply_times(&mut a);
+        a
     }
 
     fn new_fh(&self) -> u64 {
@@ -582,6 +590,9 @@ impl Inner {
         let ns = NsChange::of(&m, &self.caches);
         match self.meta.commit(m) {
             Ok(out) => {
+                for &(ino, mtime, t) in &out.touched {
+                    self.caches.own_times(ino.0, mtime.then_some(t), t);
+                }
                 self.after_commit(&out);
                 if let (Some(ino), None) = (out.ino, &out.attr) {
                     // Changed, but the outcome does not say to what.

@@ -517,6 +517,61 @@ fn late_bookkeeping_of_an_older_commit_never_shrinks_an_open_file() {
     fx.release(ino, fh);
 }
 
+/// Directory mtime/ctime (and an inode's ctime after an xattr change) reach etcd
+/// coalesced, up to a second later; this node's answers show them at once.
+#[test]
+fn coalesced_times_are_shown_at_once() {
+    let mut fx = Fx::new();
+    let d = fx.mkdir(ROOT, b"d");
+    let times = |a: &AttrOut| {
+        (
+            (a.attr.mtime, a.attr.mtimensec),
+            (a.attr.ctime, a.attr.ctimensec),
+        )
+    };
+    let tick = || std::thread::sleep(Duration::from_millis(5));
+    let (m0, c0) = times(&fx.getattr(d));
+    tick();
+    let (f, fh) = fx.create(d, b"f");
+    fx.release(f, fh);
+    let (m1, c1) = times(&fx.getattr(d));
+    assert!(m1 > m0 && c1 > c0, "create: {m0:?}/{c0:?} -> {m1:?}/{c1:?}");
+    tick();
+    fx.ok(d, Operation::Unlink { name: b"f" });
+    let (m2, c2) = times(&fx.getattr(d));
+    assert!(m2 > m1 && c2 > c1, "unlink: {m1:?}/{c1:?} -> {m2:?}/{c2:?}");
+    // An xattr change moves ctime only.
+    let (g, gh) = fx.create(ROOT, b"g");
+    let (gm0, gc0) = times(&fx.getattr(g));
+    tick();
+    fx.ok(
+        g,
+        Operation::Setxattr {
+            name: b"user.a",
+            value: b"1",
+            flags: 0,
+        },
+    );
+    let (gm1, gc1) = times(&fx.getattr(g));
+    assert_eq!(gm1, gm0);
+    assert!(gc1 > gc0, "setxattr: ctime {gc0:?} -> {gc1:?}");
+    fx.release(g, gh);
+    // Once written, etcd holds the same (or later) times: nothing goes backwards.
+    fx.ok(
+        d,
+        Operation::Fsyncdir {
+            fh: 0,
+            datasync: false,
+        },
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let (m3, c3) = times(&fx.getattr(d));
+    assert!(
+        m3 >= m2 && c3 >= c2,
+        "after the write: {m2:?}/{c2:?} -> {m3:?}/{c3:?}"
+    );
+}
+
 #[test]
 fn reads_use_the_cached_map_and_device_not_etcd() {
     let mut fx = Fx::new();

@@ -363,7 +363,8 @@ impl Committer {
         ))
     }
 
-    fn touch(&mut self, ino: Ino, mtime: bool, id: u64) {
+    /// Coalesces a timestamp; returns the time that will be written for it.
+    fn touch(&mut self, ino: Ino, mtime: bool, id: u64) -> Timespec {
         let now = self.clock.wall();
         if let Some(e) = self.touches.get_mut(&ino) {
             if mtime {
@@ -372,7 +373,7 @@ impl Committer {
             e.ctime = e.ctime.max(now);
             e.min_id = e.min_id.min(id);
             self.stats.touches_coalesced.fetch_add(1, Ordering::Relaxed);
-            return;
+            return now;
         }
         let entry = TouchEntry {
             mtime: mtime.then_some(now),
@@ -385,6 +386,7 @@ impl Committer {
             // Bounded: past the limit, write this one now instead of coalescing.
             self.emit_touch(ino);
         }
+        now
     }
 
     fn on_tick(&mut self) {
@@ -799,7 +801,8 @@ impl Committer {
                 }
             }
             for (ino, mtime) in &m.plan.touch {
-                self.touch(*ino, *mtime, m.id);
+                let at = self.touch(*ino, *mtime, m.id);
+                o.touched.push((*ino, *mtime, at));
             }
             self.finish(m.id, Ok(o));
         }

@@ -252,4 +252,8 @@ pub struct Outcome {
     pub freed: Vec<DevRange>,
     /// Reserved inode numbers `[start, end)` (ReserveInos).
     pub inos: Option<(u64, u64)>,
+    /// Timestamps this commit handed to the coalescer (written to etcd later): the inode,
+    /// whether its mtime moves too (else only ctime), and the time that will be written
+    /// (Touch never moves a time backwards). Lets the filesystem show them at once.
+    pub touched: Vec<(Ino, bool, Timespec)>,
 }
