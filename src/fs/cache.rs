@@ -565,6 +565,11 @@ impl Caches {
         s.c.insert(ino, (mtime, ctime), 1);
     }
 
+    /// Forgets pending times of `ino` (an explicit SETATTR answers for its times).
+    pub(crate) fn forget_times(&self, ino: u64) {
+        self.times.at(mix(ino)).c.remove(&ino);
+    }
+
     /// Applies pending times to attributes about to be answered; forgets them once the
     /// attributes show them.
     pub(crate) fn apply_times(&self, attr: &mut InodeAttr) {

@@ -588,6 +588,10 @@ impl Inner {
     /// Commits a mutation and waits (on a waiter thread).
     fn commit(&self, m: Mutation) -> Result<Outcome, Errno> {
         let ns = NsChange::of(&m, &self.caches);
+        if let Mutation::SetAttr { ino, .. } = &m {
+            // Its times are what it says (an explicit utimes may go back).
+            self.caches.forget_times(ino.0);
+        }
         match self.meta.commit(m) {
             Ok(out) => {
                 for &(ino, mtime, t) in &out.touched {
@@ -1232,6 +1236,9 @@ impl Inner {
     /// generic `after_commit` would take the same lock) and leaves the rest to
     /// [`Inner::after_commit_unlocked`].
     fn commit_locked(&self, f: &mut files::FileInner, m: Mutation) -> Result<Outcome, Errno> {
+        if let Mutation::SetAttr { ino, .. } = &m {
+            self.caches.forget_times(ino.0);
+        }
         let out = match self.meta.commit(m) {
             Ok(o) => o,
             Err(e) => {
