@@ -6,7 +6,7 @@ Subcommands (all called by run.sh):
                          "key value" lines: etcd.* from etcd's /metrics, d.<OP> FUSE
                          requests the daemon(s) served, c.<name> etcfs counters
   fio JSON               "cold_iops X" and "warm_iops Y" from a two-job fio run
-  meta FILES OUT...      ops/s per phase (slowest client) and overall, from metaclient outputs
+  meta FILES OUT         ops/s per phase (slowest client) and overall, from metaclient's output
   transport JSON         the transport an etcfs mount reports
   report RESULTS         markdown tables (environment variables describe the run)
   write-doc DOC SECTION  put SECTION between this script's markers in DOC
@@ -121,19 +121,20 @@ def fio_passes(path):
         print(f"{name}_ios {r['total_ios']}")
 
 
-def meta_outputs(nfiles, paths):
-    """ops/s of each phase, timed over its slowest client, and of all three together."""
-    worst = {}
-    for p in paths:
-        for line in open(p):
-            f = line.split()
-            if len(f) == 2:
-                worst[f[0]] = max(worst.get(f[0], 0), float(f[1]))
-    n = nfiles * len(paths)
+def meta_outputs(nfiles, path):
+    """ops/s of each phase, timed over its slowest client, and of all three together, from
+    metaclient's "<client> <phase> <µs>" lines."""
+    worst, clients = {}, set()
+    for line in open(path):
+        f = line.split()
+        if len(f) == 3:
+            clients.add(f[0])
+            worst[f[1]] = max(worst.get(f[1], 0), float(f[2]))
+    n = nfiles * len(clients)
     total = 0.0
     for ph in ("create", "stat", "unlink"):
         if not worst.get(ph):
-            sys.exit(f"report.py: no {ph} time in {paths}")
+            sys.exit(f"report.py: no {ph} time in {path}")
         total += worst[ph]
         print(f"{ph}_us {worst[ph]:.0f}")
         print(f"{ph}_ops {n * 1e6 / worst[ph]:.1f}")
@@ -338,8 +339,8 @@ def report(res_path):
           "the same filesystem (etcfs: one daemon per mount, same device image and etcd prefix; "
           "JuiceFS: one `juicefs mount` per mountpoint of the same volume; local: one directory, "
           "no mounts). Phases create (`openat(O_CREAT|O_EXCL)` + `close`), stat (`fstatat`) and "
-          "unlink (`unlinkat`) start together on all clients (a barrier through files in a local "
-          "directory); a phase's time is that of its slowest client. ops/s = files × clients / "
+          "unlink (`unlinkat`) start together on all clients (each blocks on its own pipe from "
+          "the parent until all are ready); a phase's time is that of its slowest client. ops/s = files × clients / "
           "time; \"all\" = the three phases' operations over the sum of their times.")
         p("")
         p("| clients | phase | " + " | ".join(f"{LABEL[s]} ops/s" for s in systems) + " | etcfs / JuiceFS |")
@@ -539,7 +540,7 @@ if __name__ == "__main__":
     elif cmd == "fio":
         fio_passes(args[0])
     elif cmd == "meta":
-        meta_outputs(int(args[0]), args[1:])
+        meta_outputs(int(args[0]), args[1])
     elif cmd == "transport":
         print(json.load(sys.stdin)["transport"])
     elif cmd == "perf":

@@ -35,7 +35,7 @@
 #   --quick      one run per scenario instead of 3 (about 2 minutes instead of 5)
 #   --write-doc  also write the tables into docs/benchmarks.md between this script's markers
 #   --no-perf    skip the extra etcfs --perf pass that shows where the time goes
-#   env COMPARE_DEBUG=1 logs mounts and the clients' barrier; COMPARE_KEEP=1 keeps the work
+#   env COMPARE_DEBUG=1 logs mounts and unmounts; COMPARE_KEEP=1 keeps the work
 #   directory (logs, counter snapshots, results) instead of removing it
 set -euo pipefail
 
@@ -134,7 +134,7 @@ cleanup() {
 	local rc=$?
 	set +e
 	trap - EXIT INT TERM
-	for pid in "${!LIVE[@]}"; do # clients first, so the mounts are not busy
+	for pid in "${!LIVE[@]}"; do # clients first (they stop their children), so the mounts are not busy
 		[ "${LIVE[$pid]}" = metaclient ] && stop_pid "$pid"
 	done
 	for m in "${MOUNTS[@]}"; do
@@ -337,9 +337,11 @@ drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 SNAP=$WORK/bin/snap.sh
 cat >"$SNAP" <<EOF
 #!/usr/bin/env bash
-# snap.sh SYS TAG N PHASE: counters of etcd and of the first N mounts of SYS
+# snap.sh SYS TAG N PHASE [WHEN]: counters of etcd and of the first N mounts of SYS, into
+# TAG-PHASE.* (or TAG.PHASE-WHEN.* when WHEN is given)
 set -e
 sys=\$1 tag=\$2 n=\$3 phase=\$4
+if [ -n "\${5:-}" ]; then tag=\$tag.\$phase phase=\$5; fi
 curl -sf "$ETCD_URL/metrics" >"\$tag-\$phase.etcd"
 grep '^drop_' /proc/vmstat >"\$tag-\$phase.vm" || true
 for i in \$(seq 0 \$((n - 1))); do
@@ -419,77 +421,17 @@ fi
 
 # --- scenario 2: metadata under concurrency ----------------------------------------------------
 
-CPIDS=()
-GO_FDS=()
-BACK_FD=""
-declare -A HEARD=() # "word phase" -> how many clients said it (a fast client may run ahead)
-# meta_wait WORD PHASE SYS K: until K clients have written "WORD PHASE ID ..." to the pipe.
-# A client found dead without its last line heard only counts as failed after three empty
-# reads in a row (a read can also return early when a child exits, before its line is read).
-meta_wait() {
-	local word=$1 ph=$2 sys=$3 k=$4 line id dead=0 deadline=$((SECONDS + 600)) st
-	while [ "${HEARD["$word $ph"]:-0}" -lt "$k" ]; do
-		if read -r -t 1 -u "$BACK_FD" line; then
-			set -- $line
-			dbg "heard: $line"
-			HEARD["$1 $2"]=$((${HEARD["$1 $2"]:-0} + 1))
-			[ "$1" = done ] && : >"$META_CTL/done-$2-$3"
-			dead=0
-			continue
-		fi
-		[ $SECONDS -le $deadline ] || die "metaclients on $sys: no $word $ph within 600 s"
-		for id in $(seq 0 $((k - 1))); do
-			[ -e "$META_CTL/done-unlink-$id" ] || pid_is "${CPIDS[$id]}" metaclient && continue
-			dead=$((dead + 1))
-			[ $dead -ge 3 ] || break
-			st=0
-			wait "${CPIDS[$id]}" || st=$?
-			tail -n 5 "$META_TAG".client* >&2
-			die "metaclient $id on $sys exited (status $st) before $word $ph"
-		done
-	done
-}
-
-META_TAG=""
-META_CTL=""
-meta_run() { # SYS K TAG: K clients on the first K mounts (already mounted); records nothing
-	local sys=$1 k=$2 tag=$3 dname ctl i ph fd
-	META_TAG=$tag
-	HEARD=()
+meta_run() { # SYS K TAG: K clients on the first K mounts (already mounted)
+	local sys=$1 k=$2 tag=$3 dname i pid dirs=()
 	dname=meta-$(basename "$tag")
-	ctl=$WORK/ctl-$(basename "$tag")
-	mkdir -p "$ctl" "$(mnt_of "$sys" 0)/$dname"
-	META_CTL=$ctl
-	# One go pipe per client (a fast client must not take another's byte) and one pipe back,
-	# all held open read-write here, so the clients' opens never block.
-	mkfifo "$ctl/back"
-	exec {BACK_FD}<>"$ctl/back"
-	GO_FDS=()
-	CPIDS=()
-	for i in $(seq 0 $((k - 1))); do
-		mkfifo "$ctl/go$i"
-		exec {fd}<>"$ctl/go$i"
-		GO_FDS+=("$fd")
-		"$WORK/bin/metaclient" "$(mnt_of "$sys" "$i")/$dname" "$i" "$FILES" "$ctl/go$i" "$ctl/back" \
-			>"$tag.client$i" 2>"$tag.client$i.err" &
-		LIVE[$!]=metaclient
-		CPIDS+=($!)
-	done
-	for ph in create stat unlink; do
-		meta_wait ready "$ph" "$sys" "$k"
-		"$SNAP" "$sys" "$tag.$ph" "$k" a
-		for fd in "${GO_FDS[@]}"; do printf g >&"$fd"; done
-		meta_wait done "$ph" "$sys" "$k"
-		"$SNAP" "$sys" "$tag.$ph" "$k" b
-	done
-	for i in "${CPIDS[@]}"; do
-		wait "$i" || { cat "$tag".client*.err >&2; die "a metaclient on $sys failed"; }
-		unset "LIVE[$i]"
-	done
-	for fd in "${GO_FDS[@]}"; do exec {fd}>&-; done
-	exec {BACK_FD}>&-
+	mkdir -p "$(mnt_of "$sys" 0)/$dname"
+	for i in $(seq 0 $((k - 1))); do dirs+=("$(mnt_of "$sys" "$i")/$dname"); done
+	"$WORK/bin/metaclient" "$FILES" "$SNAP $sys $tag $k" "${dirs[@]}" >"$tag.out" 2>"$tag.err" &
+	pid=$!
+	LIVE[$pid]=metaclient
+	wait "$pid" || { cat "$tag.err" >&2; die "metaclient on $sys ($k clients) failed"; }
+	unset "LIVE[$pid]"
 	rmdir "$(mnt_of "$sys" 0)/$dname" || die "the shared directory on $sys is not empty after unlink"
-	rm -rf "$ctl"
 }
 
 if [ $DO_META = 1 ]; then
@@ -500,9 +442,7 @@ if [ $DO_META = 1 ]; then
 				log "metadata, run $run/$RUNS: $sys, $k client(s)"
 				tag=$WORK/snap/meta-$run-$sys-k$k
 				meta_run "$sys" "$k" "$tag"
-				clients=()
-				for i in $(seq 0 $((k - 1))); do clients+=("$tag.client$i"); done
-				py meta "$FILES" "${clients[@]}" | record "meta.$sys.k$k"
+				py meta "$FILES" "$tag.out" | record "meta.$sys.k$k"
 				for ph in create stat unlink; do
 					py delta "$tag.$ph" a b | record "meta.$sys.k$k.$ph"
 				done
