@@ -1480,7 +1480,7 @@ fn sparse_files() {
     // Extending by truncate makes a hole too.
     f.set_len(64 * MIB).expect("extend");
     // (Right after the truncate etcfs reports too many blocks for about a second: see
-    // known_bug_blocks_fresh_after_truncate_up.)
+    // blocks_fresh_after_truncate_up.)
     let mut blocks = 0;
     let sparse = eventually(Duration::from_secs(3), || {
         blocks = fs::metadata(&p).expect("stat").blocks();
@@ -2045,7 +2045,7 @@ fn fallocate_and_punch_hole() {
         "PUNCH_HOLE|KEEP_SIZE keeps the size"
     );
     // The blocks go back to the free space (st_blocks: see
-    // known_bug_punch_hole_reduces_st_blocks).
+    // punch_hole_reduces_st_blocks).
     assert_space_back(
         &m.mnt,
         avail_before_punch + 256 * 1024 - 4096,
@@ -2078,7 +2078,7 @@ fn fallocate_and_punch_hole() {
     );
     assert_eq!(fs::metadata(&q).expect("stat").len(), 3);
     assert_eq!(fs::read(&q).expect("read"), b"abc");
-    // The space is taken (st_blocks: see known_bug_fallocate_keep_size_counts_blocks):
+    // The space is taken (st_blocks: see fallocate_keep_size_counts_blocks):
     // 8 MiB less the punched 4 KiB, 256 KiB and 1 MiB, plus 4 MiB preallocated.
     let used = 8 * MIB - 4096 - 256 * 1024 - MIB + 4 * MIB;
     let mut avail = 0;
@@ -2126,11 +2126,12 @@ fn fallocate_and_punch_hole() {
     );
 }
 
-/// KNOWN BUG (etcfs): the SETATTR reply of a truncate that extends a file reports the whole
+/// Formerly a known bug (fixed: st_blocks is summed from the extent map):
+/// the SETATTR reply of a truncate that extends a file reports the whole
 /// new size as allocated (st_blocks = size / 512) until the attributes time out.
 #[test]
-fn known_bug_blocks_fresh_after_truncate_up() {
-    setup!(fs, m, "known_bug_blocks_fresh_after_truncate_up");
+fn blocks_fresh_after_truncate_up() {
+    setup!(fs, m, "blocks_fresh_after_truncate_up");
     let p = m.path("f");
     let f = File::create(&p).expect("create");
     f.write_all_at(b"data", 0).expect("write");
@@ -2143,13 +2144,14 @@ fn known_bug_blocks_fresh_after_truncate_up() {
     );
 }
 
-/// KNOWN BUG (etcfs): punching a hole into a range that was fallocated and then written
+/// Formerly a known bug (fixed: st_blocks is summed from the extent map):
+/// punching a hole into a range that was fallocated and then written
 /// (closed, not fsync'd) returns the blocks to the free space (df) but st_blocks never
 /// drops, not even after a remount. When the data was fsync'd before the punch, st_blocks
 /// drops but only about a second later.
 #[test]
-fn known_bug_punch_hole_reduces_st_blocks() {
-    setup!(fs, m, "known_bug_punch_hole_reduces_st_blocks");
+fn punch_hole_reduces_st_blocks() {
+    setup!(fs, m, "punch_hole_reduces_st_blocks");
     let p = m.path("f");
     let ps = s(&p);
     File::create(&p).expect("create");
@@ -2176,11 +2178,12 @@ fn known_bug_punch_hole_reduces_st_blocks() {
     );
 }
 
-/// KNOWN BUG (etcfs): blocks preallocated past EOF with FALLOC_FL_KEEP_SIZE are taken from
+/// Formerly a known bug (fixed: st_blocks is summed from the extent map):
+/// blocks preallocated past EOF with FALLOC_FL_KEEP_SIZE are taken from
 /// the free space (df) but not counted in st_blocks (ext4 and XFS count them).
 #[test]
-fn known_bug_fallocate_keep_size_counts_blocks() {
-    setup!(fs, m, "known_bug_fallocate_keep_size_counts_blocks");
+fn fallocate_keep_size_counts_blocks() {
+    setup!(fs, m, "fallocate_keep_size_counts_blocks");
     let q = m.path("keep");
     fs::write(&q, b"abc").expect("create");
     ok(

@@ -285,6 +285,12 @@ pub(crate) struct Caches {
     /// second later: shown in every answer at once (read-your-writes), until the
     /// attributes this node sees reach them.
     times: Sharded<u64, (Option<Timespec>, Timespec)>,
+    /// Regular files' allocated 512-byte blocks, summed from their extent maps (st_blocks
+    /// of files not open here). Dropped on any extent change (the watch, own commits).
+    blocks: Sharded<u64, u64>,
+    /// Bumped by every drop of `blocks`: a sum computed from extents read before a drop
+    /// is not installed.
+    blocks_gen: AtomicU64,
     log: Mutex<Log>,
     /// The watch is running and caught up: answers and installs are allowed.
     live: AtomicBool,
@@ -310,6 +316,8 @@ impl Caches {
                 cfg.dir_names_cache_max,
             ),
             times: Sharded::new(cfg.shards, PENDING_TIMES_MAX),
+            blocks: Sharded::new(cfg.shards, cfg.inode_cache_max),
+            blocks_gen: AtomicU64::new(0),
             log: Mutex::new(Log {
                 events: VecDeque::new(),
                 floor: None,
@@ -588,6 +596,34 @@ impl Caches {
         attr.ctime = attr.ctime.max(c);
     }
 
+    /// The cached allocated blocks of a regular file.
+    pub(crate) fn blocks(&self, ino: u64) -> Option<u64> {
+        if !self.is_live() {
+            return None;
+        }
+        self.blocks.at(mix(ino)).c.get(&ino).copied()
+    }
+
+    /// The generation to pass to [`Caches::fill_blocks`], taken before reading extents.
+    pub(crate) fn blocks_gen(&self) -> u64 {
+        self.blocks_gen.load(Ordering::Acquire)
+    }
+
+    /// Installs a file's allocated blocks summed from extents read after `gen` was taken
+    /// (not when any extent changed since).
+    pub(crate) fn fill_blocks(&self, ino: u64, blocks: u64, gen: u64) {
+        let mut s = self.blocks.at(mix(ino));
+        if self.is_live() && self.blocks_gen.load(Ordering::Acquire) == gen {
+            s.c.insert(ino, blocks, 1);
+        }
+    }
+
+    /// An extent of `ino` changed (or may have): drop its block count.
+    pub(crate) fn forget_blocks(&self, ino: u64) {
+        self.blocks_gen.fetch_add(1, Ordering::AcqRel);
+        self.blocks.at(mix(ino)).c.remove(&ino);
+    }
+
     /// Drops an inode's cached attributes (a change whose result this node does not know).
     pub(crate) fn forget_attr(&self, ino: u64) {
         self.inodes.at(mix(ino)).c.remove(&ino);
@@ -649,6 +685,8 @@ impl Caches {
         log.floor = None;
         drop(log);
         self.inodes.each(|s| s.c.clear());
+        self.blocks_gen.fetch_add(1, Ordering::AcqRel);
+        self.blocks.each(|s| s.c.clear());
         self.dentries.each(|s| s.c.clear());
         self.dirs.each(|s| s.c.clear());
     }

@@ -872,12 +872,48 @@ impl Inner {
         self.get_attr(ino)
     }
 
-    /// Attributes for GETATTR: the open file's state, the inode cache, else etcd.
+    /// Attributes for GETATTR: the open file's state, the inode cache, else etcd; with a
+    /// regular file's allocated blocks (its cached map, the block cache, else etcd).
     fn attr_of(&self, ino: u64) -> Result<(InodeAttr, Option<u64>), Errno> {
-        if let Some(v) = self.files.cached_attr(ino) {
-            return Ok(v);
+        let (a, b) = match self.files.cached_attr(ino) {
+            Some(v) => v,
+            None => (self.cached_attr(ino)?, None),
+        };
+        let b = b.or_else(|| self.file_blocks(&a));
+        Ok((a, b))
+    }
+
+    /// Allocated 512-byte blocks known without etcd: `Some(None)` for what is not a
+    /// regular file (st_blocks from the size), `None` when etcd must be read.
+    fn blocks_local(&self, a: &InodeAttr, from_map: Option<u64>) -> Option<Option<u64>> {
+        if a.kind != FileType::Regular {
+            return Some(None);
         }
-        Ok((self.cached_attr(ino)?, None))
+        from_map.or_else(|| self.caches.blocks(a.ino.0)).map(Some)
+    }
+
+    /// A regular file's allocated blocks summed from its extents in etcd (cached until an
+    /// extent changes); None for other types, or when the map is too large to sum here.
+    fn file_blocks(&self, a: &InodeAttr) -> Option<u64> {
+        if a.kind != FileType::Regular {
+            return None;
+        }
+        let ino = a.ino.0;
+        if let Some(b) = self.caches.blocks(ino) {
+            return Some(b);
+        }
+        let gen = self.caches.blocks_gen();
+        let (list, more) = self
+            .meta
+            .extents(Ino(ino), 0, files::EXTENTS_CACHED_MAX)
+            .and_then(|t| t.wait())
+            .ok()?;
+        if more {
+            return None;
+        }
+        let b = list.iter().map(|e| e.len / 512).sum();
+        self.caches.fill_blocks(ino, b, gen);
+        Some(b)
     }
 
     /// The answer to a LOOKUP when the caches hold it (no etcd): the name set or entry
@@ -893,6 +929,7 @@ impl Inner {
                     Some(v) => v,
                     None => (self.caches.attr(d.ino.0)?, None),
                 };
+                let blocks = self.blocks_local(&attr, blocks)?;
                 Some(Ok(done_bytes(&self.entry_out(&attr, blocks))))
             }
             Lookup::Unknown { .. } => None,
@@ -1180,7 +1217,8 @@ impl Inner {
             let r = self.truncate(&st, a.size, set);
             self.release_file(ino);
             let attr = r?;
-            return Ok(done_bytes(&self.attr_out(&attr, None)));
+            let blocks = self.file_blocks(&attr);
+            return Ok(done_bytes(&self.attr_out(&attr, blocks)));
         }
         // A pending overwrite mtime must not land after (and undo) an explicit one.
         if set.mtime.is_some() {
@@ -1190,7 +1228,11 @@ impl Inner {
         }
         let out = self.commit(Mutation::SetAttr { ino: Ino(ino), set })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
-        let blocks = self.files.cached_attr(ino).and_then(|(_, b)| b);
+        let blocks = self
+            .files
+            .cached_attr(ino)
+            .and_then(|(_, b)| b)
+            .or_else(|| self.file_blocks(&attr));
         Ok(done_bytes(&self.attr_out(&attr, blocks)))
     }
 
@@ -1250,6 +1292,8 @@ impl Inner {
             f.set_attr(a, out.revision.0);
             self.caches.own_attr(a, out.revision.0);
         }
+        // Writes, truncates, fallocate and punch change the extents: st_blocks with them.
+        self.caches.forget_blocks(f.attr.ino.0);
         Ok(out)
     }
 
@@ -1671,6 +1715,7 @@ impl Inner {
                     match attrs.get(i).cloned().flatten() {
                         Some(a) => {
                             let (a, b) = self.files.cached_attr(a.ino.0).unwrap_or((a, None));
+                            let b = self.blocks_local(&a, b).flatten();
                             w.push_plus(
                                 &self.entry_out(&a, b),
                                 e.entry.ino.0,
@@ -2086,7 +2131,8 @@ impl Inner {
             name: name.to_vec(),
         })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
-        Ok(done_bytes(&self.entry_out(&attr, None)))
+        let blocks = self.file_blocks(&attr);
+        Ok(done_bytes(&self.entry_out(&attr, blocks)))
     }
 
     fn readlink(&self, ino: u64) -> Result<Done, Errno> {
@@ -2510,11 +2556,15 @@ impl EtcFs {
             // No per-inode table to shrink: see the module docs.
             Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
             Operation::Getattr { .. } => {
-                if let Some((a, b)) = self.inner.files.cached_attr(ino) {
-                    return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
-                }
-                if let Some(a) = self.inner.caches.attr(ino) {
-                    return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, None))), out);
+                let local = self
+                    .inner
+                    .files
+                    .cached_attr(ino)
+                    .or_else(|| self.inner.caches.attr(ino).map(|a| (a, None)));
+                if let Some((a, b)) = local {
+                    if let Some(b) = self.inner.blocks_local(&a, b) {
+                        return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
+                    }
                 }
                 self.offload(ctx, out, move |i| i.getattr(ino))
             }

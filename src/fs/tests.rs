@@ -572,6 +572,38 @@ fn coalesced_times_are_shown_at_once() {
     );
 }
 
+/// st_blocks comes from the extent map, for files open here or not: sparse after a
+/// truncate up, down after a punch, up after a KEEP_SIZE preallocation.
+#[test]
+fn st_blocks_follow_the_extent_map() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, b"data");
+    fx.release(ino, fh);
+    let a = fx.truncate(ino, 64 << 20);
+    assert_eq!((a.attr.size, a.attr.blocks), (64 << 20, 8));
+    assert_eq!(fx.getattr(ino).attr.blocks, 8);
+    let fh = fx.open(ino);
+    let falloc = |fh, offset, length, mode| Operation::Fallocate {
+        fh,
+        offset,
+        length,
+        mode,
+    };
+    // KEEP_SIZE past EOF counts (ext4 does).
+    fx.ok(ino, falloc(fh, 64 << 20, 1 << 20, 1));
+    assert_eq!(fx.getattr(ino).attr.size, 64 << 20);
+    assert_eq!(fx.getattr(ino).attr.blocks, 8 + 2048);
+    fx.release(ino, fh);
+    assert_eq!(fx.getattr(ino).attr.blocks, 8 + 2048);
+    // Punch the written block (inside EOF), from an open file, then closed.
+    let fh = fx.open(ino);
+    fx.ok(ino, falloc(fh, 0, 256 << 10, 3));
+    assert_eq!(fx.getattr(ino).attr.blocks, 2048);
+    fx.release(ino, fh);
+    assert_eq!(fx.getattr(ino).attr.blocks, 2048);
+}
+
 #[test]
 fn reads_use_the_cached_map_and_device_not_etcd() {
     let mut fx = Fx::new();

@@ -233,6 +233,7 @@ fn refine_inode(i: &Inner, k: Kernel, new: Option<&InodeAttr>) -> Kernel {
 /// An extent key of `ino` changed: a cached map of an open file that does not already
 /// hold the change is dropped (re-read on the next access).
 fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
+    i.caches.forget_blocks(ino);
     let Some(st) = i.files.get(ino) else { return };
     // Blocking on the file's lock is fine here: its holder (a write) waits for etcd,
     // never for this thread.
