@@ -22,7 +22,7 @@ use std::{
 use common::{loud, run_bounded, skip, TestFs};
 
 const DEFAULT_SEED: u64 = 20_261_130;
-const DEFAULT_OPS: u64 = 3000;
+const DEFAULT_OPS: u64 = 5000;
 /// Far above what the default run takes (a few seconds); a hang fails instead of stalling CI.
 const FSX_DEADLINE: Duration = Duration::from_secs(180);
 

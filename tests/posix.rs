@@ -784,16 +784,14 @@ fn directory_times_follow_changes() {
     directory_times("directory_times_follow_changes", false);
 }
 
-/// Formerly a known bug (fixed: the fs now shows the times the pipeline writes
-/// coalesced at once): right after an entry is created, removed or renamed, stat of the
-/// directory still shows the old mtime/ctime; the new times appear about a second later.
+/// The directory times change at the moment of the entry change, not when the pipeline
+/// writes them to etcd (they used to show up to a second late).
 #[test]
 fn directory_times_advance_at_once() {
     directory_times("directory_times_advance_at_once", true);
 }
 
-/// Formerly a known bug (fixed: the fs now shows the times the pipeline writes
-/// coalesced at once): stat right after setxattr/removexattr shows the old ctime.
+/// setxattr and removexattr advance ctime, visibly at once (it used to lag a second).
 #[test]
 fn ctime_advances_at_setxattr() {
     setup!(fs, m, "ctime_advances_at_setxattr");
@@ -1314,12 +1312,11 @@ fn large_and_unaligned_io() {
     assert_same_bytes("model file", &fs::read(&q).expect("read"), &model);
 }
 
-/// Formerly a known bug under load (fixed in the fs: the late bookkeeping of
-/// an older commit replaced an open file's attributes): seeded random unaligned reads and writes on a growing
-/// file, each read checked against a model. Under load (the whole suite on 2 CPUs) etcfs has been seen to answer a READ
-/// just after a size-extending WRITE short, as if the file ended at an older size; the
-/// kernel then shrinks the file to that point (see the failure message: the fstat size
-/// equals where the short read stopped).
+/// Seeded random unaligned reads and writes on a growing file, each read checked against
+/// a model. This once caught a READ answered short just after a size-extending WRITE, as if
+/// the file ended at an older size (the late bookkeeping of an older commit replaced the
+/// open file's attributes); the kernel then shrinks the file to where the read stopped, so
+/// the failure message gives the fstat size next to the model's.
 #[test]
 fn random_unaligned_io_matches_a_model() {
     setup!(fs, m, "random_unaligned_io_matches_a_model");
@@ -1405,12 +1402,11 @@ impl Drop for Poller {
     }
 }
 
-/// Formerly a known bug under load (fixed in the fs: the late bookkeeping of
-/// an older commit replaced an open file's attributes): writes that extend a file, at and past its end,
-/// interleaved with stats and reads: the size never goes back and every byte written reads
-/// back, while `df` runs on the mount in a loop. A stat right after a
-/// size-extending pwrite returns the size from before the write (the kernel then shrinks
-/// the file to it), or a read returns zeros for bytes just written.
+/// Writes that extend a file, at and past its end, interleaved with stats and reads, while
+/// `df` runs on the mount in a loop: the size never goes back and every byte written reads
+/// back. (Under such load a stat right after a size-extending pwrite used to return the
+/// size from before the write, which the kernel then applied, or a read returned zeros for
+/// bytes just written.)
 #[test]
 fn extending_writes_keep_the_size() {
     setup!(fs, m, "extending_writes_keep_the_size");
@@ -1512,8 +1508,7 @@ fn sparse_files() {
     assert!(buf[8292..].iter().all(|&b| b == 0));
     // Extending by truncate makes a hole too.
     f.set_len(64 * MIB).expect("extend");
-    // (Right after the truncate etcfs reports too many blocks for about a second: see
-    // blocks_fresh_after_truncate_up.)
+    // (At once: blocks_fresh_after_truncate_up.)
     let mut blocks = 0;
     let sparse = eventually(Duration::from_secs(3), || {
         blocks = fs::metadata(&p).expect("stat").blocks();
@@ -2077,8 +2072,7 @@ fn fallocate_and_punch_hole() {
         8 * MIB,
         "PUNCH_HOLE|KEEP_SIZE keeps the size"
     );
-    // The blocks go back to the free space (st_blocks: see
-    // punch_hole_reduces_st_blocks).
+    // The blocks go back to the free space (st_blocks: punch_hole_reduces_st_blocks).
     assert_space_back(
         &m.mnt,
         avail_before_punch + 256 * 1024 - 4096,
@@ -2111,7 +2105,7 @@ fn fallocate_and_punch_hole() {
     );
     assert_eq!(fs::metadata(&q).expect("stat").len(), 3);
     assert_eq!(fs::read(&q).expect("read"), b"abc");
-    // The space is taken (st_blocks: see fallocate_keep_size_counts_blocks):
+    // The space is taken (st_blocks: fallocate_keep_size_counts_blocks):
     // 8 MiB less the punched 4 KiB, 256 KiB and 1 MiB, plus 4 MiB preallocated.
     let used = 8 * MIB - 4096 - 256 * 1024 - MIB + 4 * MIB;
     let mut avail = 0;
@@ -2159,9 +2153,8 @@ fn fallocate_and_punch_hole() {
     );
 }
 
-/// Formerly a known bug (fixed: st_blocks is summed from the extent map):
-/// the SETATTR reply of a truncate that extends a file reports the whole
-/// new size as allocated (st_blocks = size / 512) until the attributes time out.
+/// Extending a file by truncate allocates nothing, and stat says so at once (the SETATTR
+/// reply used to claim the whole new size as allocated).
 #[test]
 fn blocks_fresh_after_truncate_up() {
     setup!(fs, m, "blocks_fresh_after_truncate_up");
@@ -2177,11 +2170,9 @@ fn blocks_fresh_after_truncate_up() {
     );
 }
 
-/// Formerly a known bug (fixed: st_blocks is summed from the extent map):
-/// punching a hole into a range that was fallocated and then written
-/// (closed, not fsync'd) returns the blocks to the free space (df) but st_blocks never
-/// drops, not even after a remount. When the data was fsync'd before the punch, st_blocks
-/// drops but only about a second later.
+/// Punching a hole into a range that was fallocated and then written (closed, not
+/// fsync'd) lowers st_blocks at once (it used to stay put for good, while df showed the
+/// space back).
 #[test]
 fn punch_hole_reduces_st_blocks() {
     setup!(fs, m, "punch_hole_reduces_st_blocks");
@@ -2211,9 +2202,8 @@ fn punch_hole_reduces_st_blocks() {
     );
 }
 
-/// Formerly a known bug (fixed: st_blocks is summed from the extent map):
-/// blocks preallocated past EOF with FALLOC_FL_KEEP_SIZE are taken from
-/// the free space (df) but not counted in st_blocks (ext4 and XFS count them).
+/// Blocks preallocated past EOF with FALLOC_FL_KEEP_SIZE count in st_blocks, as on ext4
+/// and XFS.
 #[test]
 fn fallocate_keep_size_counts_blocks() {
     setup!(fs, m, "fallocate_keep_size_counts_blocks");
@@ -2613,22 +2603,6 @@ fn populate(m: &Daemon) {
     fs::remove_dir(m.path("d/e/f")).expect_err("rmdir of a non-empty dir");
 }
 
-/// A snapshot that no longer changes: directory times and the ctime set by setxattr show
-/// up to a second late in etcfs (see the known_bug tests), and the kernel caches attributes
-/// for `--attr-timeout` (1 s), so compare two snapshots taken apart until they agree.
-fn settled_snapshot(mnt: &Path) -> BTreeMap<String, String> {
-    let mut last = snapshot(mnt);
-    for _ in 0..6 {
-        std::thread::sleep(Duration::from_millis(1200));
-        let now = snapshot(mnt);
-        if now == last {
-            return now;
-        }
-        last = now;
-    }
-    panic!("the tree under {} kept changing", mnt.display());
-}
-
 #[test]
 fn everything_persists_across_remount() {
     let Some(fs) = TestFs::new_or_skip("everything_persists_across_remount", None) else {
@@ -2636,7 +2610,8 @@ fn everything_persists_across_remount() {
     };
     let m = fs.mount("auto", &[]);
     populate(&m);
-    let before = settled_snapshot(&m.mnt);
+    // What the live mount shows, attributes and times included, is what must come back.
+    let before = snapshot(&m.mnt);
     m.stop();
     assert_eq!(
         fs.etcd_key_count("O"),

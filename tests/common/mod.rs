@@ -177,7 +177,8 @@ pub(crate) fn run_bounded(cmd: &mut Command, timeout: Duration) -> (Output, bool
                 Some(s) => s,
                 None => {
                     let _ = child.kill();
-                    child.wait().expect("wait for a killed child")
+                    wait_bounded(&mut child, Duration::from_secs(10))
+                        .unwrap_or_else(|| panic!("{cmd:?} (pid {}) survives SIGKILL", child.id()))
                 }
             }
         }
@@ -499,7 +500,12 @@ impl Daemon {
             ));
             abort_connection(&mnt);
         }
-        let _ = child.wait();
+        // Never wait unbounded: a daemon that cannot die must fail the test, not hang it.
+        assert!(
+            wait_bounded(child, DAEMON_DEADLINE).is_some(),
+            "the daemon of {} did not exit after SIGKILL and a connection abort",
+            mnt.display()
+        );
         umount_all(&self.mnt);
         assert!(!is_mounted(&self.mnt), "the dead mount is still there");
     }
@@ -531,7 +537,13 @@ impl Drop for Daemon {
                 if wait_bounded(&mut child, Duration::from_secs(3)).is_none() {
                     abort_connection(&self.mnt);
                 }
-                let _ = child.wait();
+                if wait_bounded(&mut child, DAEMON_DEADLINE).is_none() {
+                    loud(&format!(
+                        "etcfs daemon pid {} survives SIGKILL and a connection abort; \
+                         leaving it",
+                        child.id()
+                    ));
+                }
             }
         }
         umount_all(&self.mnt);
