@@ -280,6 +280,34 @@ pub(crate) fn abort_connection(path: &Path) {
     }
 }
 
+/// The name, state and kernel stack of every thread of `pid` that still exists (for the
+/// report of a process that will not die).
+pub(crate) fn thread_stacks(pid: u32) -> String {
+    let mut out = String::new();
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return "(gone)".into();
+    };
+    for t in tasks.flatten() {
+        let p = t.path();
+        let read = |f: &str| fs::read_to_string(p.join(f)).unwrap_or_default();
+        let state = read("stat")
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next().map(str::to_string))
+            .unwrap_or_default();
+        out += &format!(
+            "  {} {} {state} {}\n",
+            t.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan")
+        );
+        for line in read("stack").lines().take(6) {
+            out += &format!("      {line}\n");
+        }
+    }
+    out
+}
+
 /// Lazily unmounts `path` until nothing is mounted there (at most a few tries).
 pub(crate) fn umount_all(path: &Path) {
     for _ in 0..5 {
@@ -485,18 +513,22 @@ impl Daemon {
         );
     }
 
-    /// SIGKILL (a crash): reaps the daemon and lazily unmounts the dead mount.
-    pub(crate) fn crash(mut self) {
+    /// SIGKILL (a crash): reaps the daemon and lazily unmounts the dead mount. Returns
+    /// whether the daemon died by itself; false when its FUSE connection had to be aborted
+    /// first (see below).
+    pub(crate) fn crash(mut self) -> bool {
         let mnt = self.mnt.clone();
         let child = self.child();
         child.kill().expect("SIGKILL the daemon");
         // A daemon thread caught in a cache invalidation waits in the kernel for a directory
         // lock that a request to the dead daemon holds; such a process never finishes dying.
         // Aborting the connection (what an administrator does) ends those requests.
-        if wait_bounded(child, Duration::from_secs(3)).is_none() {
+        let by_itself = wait_bounded(child, Duration::from_secs(3)).is_some();
+        if !by_itself {
             loud(&format!(
-                "killed daemon of {} did not exit; aborting its connection",
-                mnt.display()
+                "killed daemon of {} did not exit; aborting its connection. Its threads:\n{}",
+                mnt.display(),
+                thread_stacks(child.id())
             ));
             abort_connection(&mnt);
         }
@@ -508,6 +540,7 @@ impl Daemon {
         );
         umount_all(&self.mnt);
         assert!(!is_mounted(&self.mnt), "the dead mount is still there");
+        by_itself
     }
 }
 
