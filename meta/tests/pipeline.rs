@@ -339,7 +339,11 @@ async fn dir_timestamps_are_coalesced_and_flushed() {
     for t in ts {
         t.await.unwrap();
     }
-    assert_eq!(client.stats().touches_written, 1, "still within the interval");
+    assert_eq!(
+        client.stats().touches_written,
+        1,
+        "still within the interval"
+    );
     client.flush(Some(d)).unwrap().await.unwrap();
     assert_eq!(client.stats().touches_written, 2);
     let a = client.get_inode(d).unwrap().await.unwrap().unwrap().0;
