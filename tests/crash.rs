@@ -305,6 +305,8 @@ fn kill9_during_writes_leaves_a_consistent_filesystem() {
 /// /sys/fs/fuse/connections/N/abort. Kills under a create load, several times; each time
 /// the daemon must be gone within 3 s without help.
 #[test]
+#[ignore = "known bug: a SIGKILLed daemon can hang in fuse_reverse_inval_entry (see README, \
+            'When a daemon dies'); run with --ignored"]
 fn known_bug_killed_daemon_exits_by_itself() {
     let Some(fs) = TestFs::new_or_skip("known_bug_killed_daemon_exits_by_itself", None) else {
         return;
