@@ -8,6 +8,10 @@
 //! orphans when it opens the filesystem and then every 5 s (housekeeping), so reclaiming
 //! takes about 10–15 s after the kill. The test waits at most [`RECLAIM_DEADLINE`].
 //!
+//! A killed daemon that has not died 3 s after SIGKILL gets its FUSE connection aborted
+//! through fusectl (`common::Daemon::crash`), so these tests cannot hang; that it happens
+//! at all is a bug, checked by `known_bug_killed_daemon_exits_by_itself`.
+//!
 //! Needs root, `/dev/fuse` and `ETCD_ENDPOINTS` (see `common`); skips loudly otherwise,
 //! and fails instead when `ETCFS_REQUIRE_MOUNT_TESTS=1`.
 
