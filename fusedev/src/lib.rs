@@ -11,6 +11,7 @@ pub mod errno;
 pub mod fuzz;
 pub mod init;
 pub mod mount;
+pub mod names;
 pub mod notify;
 pub mod opcode;
 pub mod reply;

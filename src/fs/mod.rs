@@ -919,7 +919,7 @@ impl Inner {
     /// The answer to a LOOKUP when the caches hold it (no etcd): the name set or entry
     /// of the name, and the child's attributes.
     fn lookup_local(&self, parent: u64, name: &[u8]) -> Option<Result<Done, Errno>> {
-        if let Err(e) = check_name(name) {
+        if let Err(e) = fusedev::names::check_entry_name(name) {
             return Some(Err(e));
         }
         match self.caches.lookup(parent, name) {
@@ -997,7 +997,7 @@ impl Inner {
     }
 
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Done, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         let Some(d) = self.resolve(parent, name)? else {
             return Ok(self.negative_entry());
         };
@@ -1029,7 +1029,7 @@ impl Inner {
         rdev: u64,
         symlink: Option<Vec<u8>>,
     ) -> Result<(InodeAttr, i64), Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         if name == b"." || name == b".." {
             return Err(Errno::EEXIST);
         }
@@ -1835,7 +1835,7 @@ impl Inner {
     }
 
     fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: u32) -> Result<Done, Errno> {
-        check_xattr_name(name)?;
+        fusedev::names::check_xattr_name(name)?;
         if value.len() > XATTR_VALUE_LEN_MAX {
             return Err(Errno::E2BIG);
         }
@@ -1861,7 +1861,7 @@ impl Inner {
     }
 
     fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Result<Done, Errno> {
-        check_xattr_name(name)?;
+        fusedev::names::check_xattr_name(name)?;
         let v = self
             .meta
             .get_xattr(Ino(ino), name.to_vec())
@@ -1886,7 +1886,7 @@ impl Inner {
     }
 
     fn removexattr(&self, ino: u64, name: &[u8]) -> Result<Done, Errno> {
-        check_xattr_name(name)?;
+        fusedev::names::check_xattr_name(name)?;
         match self.commit(Mutation::RemoveXattr {
             ino: Ino(ino),
             name: name.to_vec(),
@@ -2074,7 +2074,7 @@ impl Inner {
     }
 
     fn unlink(&self, parent: u64, name: &[u8], dir: bool) -> Result<Done, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         if dir && name == b"." {
             return Err(Errno::EINVAL);
         }
@@ -2101,8 +2101,8 @@ impl Inner {
         newname: &[u8],
         flags: u32,
     ) -> Result<Done, Errno> {
-        check_name(name)?;
-        check_name(newname)?;
+        fusedev::names::check_entry_name(name)?;
+        fusedev::names::check_entry_name(newname)?;
         let mode = match flags {
             0 => RenameMode::Replace,
             abi::RENAME_NOREPLACE => RenameMode::NoReplace,
@@ -2124,7 +2124,7 @@ impl Inner {
     }
 
     fn link(&self, ino: u64, newparent: u64, name: &[u8]) -> Result<Done, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         let out = self.commit(Mutation::Link {
             ino: Ino(ino),
             parent: Ino(newparent),
@@ -2481,26 +2481,8 @@ fn fuse_attr(a: &InodeAttr, blocks: Option<u64>) -> Attr {
     }
 }
 
-/// Names a directory accepts: 1..=255 bytes without '/' or NUL.
-fn check_name(name: &[u8]) -> Result<(), Errno> {
-    if name.len() > NAME_MAX {
-        return Err(Errno::ENAMETOOLONG);
-    }
-    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
-        return Err(Errno::EINVAL);
-    }
-    Ok(())
-}
-
-fn check_xattr_name(name: &[u8]) -> Result<(), Errno> {
-    if name.is_empty() {
-        return Err(Errno::EINVAL);
-    }
-    if name.len() > XATTR_NAME_LEN_MAX {
-        return Err(Errno::ERANGE);
-    }
-    Ok(())
-}
+// Every xattr name the FUSE layer accepts must fit the metadata codec.
+const _: () = assert!(fusedev::names::XATTR_NAME_MAX <= XATTR_NAME_LEN_MAX);
 
 fn file_type_of(mode: u32) -> Result<FileType, Errno> {
     Ok(match mode & libc::S_IFMT {
@@ -2907,10 +2889,16 @@ mod helper_tests {
             ext(3, 1, 20, false),
         ]);
         assert_eq!(m, vec![ext(0, 3, 10, false), ext(3, 1, 20, false)]);
-        assert_eq!(check_name(&[b'a'; 256]), Err(Errno::ENAMETOOLONG));
-        assert_eq!(check_name(b"a/b"), Err(Errno::EINVAL));
-        assert!(check_name(&[b'a'; 255]).is_ok());
-        assert_eq!(check_xattr_name(&[b'a'; 256]), Err(Errno::ERANGE));
+        assert_eq!(
+            fusedev::names::check_entry_name(&[b'a'; 256]),
+            Err(Errno::ENAMETOOLONG)
+        );
+        assert_eq!(fusedev::names::check_entry_name(b"a/b"), Err(Errno::EINVAL));
+        assert!(fusedev::names::check_entry_name(&[b'a'; 255]).is_ok());
+        assert_eq!(
+            fusedev::names::check_xattr_name(&[b'a'; 256]),
+            Err(Errno::ERANGE)
+        );
         assert_eq!(file_type_of(libc::S_IFDIR), Err(Errno::EINVAL));
         assert_eq!(file_type_of(0), Ok(FileType::Regular));
     }

@@ -76,8 +76,6 @@ impl Default for MemFsConfig {
 
 /// Largest xattr value (Linux's `XATTR_SIZE_MAX`).
 const XATTR_VALUE_MAX: usize = 64 << 10;
-/// Largest xattr name (Linux's `XATTR_NAME_MAX`).
-const XATTR_NAME_MAX: usize = 255;
 /// Attempts at a two-inode operation whose directory entry changed between reading it and
 /// locking both inodes, before giving up with EAGAIN. The kernel serializes operations on
 /// one directory entry, so a second attempt is already rare.
@@ -204,7 +202,7 @@ impl MemFs {
     }
 
     fn lookup(&self, parent: u64, name: &[u8], out: &mut [u8]) -> Result<Reply, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         let ino = self.child_of(parent, name)?;
         bytes(out, &self.take_ref(ino)?)
     }
@@ -281,7 +279,7 @@ impl MemFs {
         kind: Kind,
     ) -> Result<EntryOut, Errno> {
         if let Some(name) = name {
-            check_name(name)?;
+            fusedev::names::check_entry_name(name)?;
             if name == b"." || name == b".." {
                 return Err(Errno::EEXIST);
             }
@@ -401,7 +399,7 @@ impl MemFs {
     }
 
     fn unlink(&self, parent: u64, name: &[u8]) -> Result<Reply, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         let (mut locked, child) = self.lock_child(parent, name, &[])?;
         if locked.get(child).ok_or(Errno::ENOENT)?.is_dir() {
             return Err(Errno::EISDIR);
@@ -411,7 +409,7 @@ impl MemFs {
     }
 
     fn rmdir(&self, parent: u64, name: &[u8]) -> Result<Reply, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         match name {
             b"." => return Err(Errno::EINVAL),
             b".." => return Err(Errno::ENOTEMPTY),
@@ -437,7 +435,7 @@ impl MemFs {
         name: &[u8],
         out: &mut [u8],
     ) -> Result<Reply, Errno> {
-        check_name(name)?;
+        fusedev::names::check_entry_name(name)?;
         let mut locked = self.table.lock_many(&[newparent, oldnodeid]);
         let target = locked.get(oldnodeid).ok_or(Errno::ENOENT)?;
         if target.is_dir() {
@@ -472,8 +470,8 @@ impl MemFs {
         newname: &[u8],
         flags: u32,
     ) -> Result<Reply, Errno> {
-        check_name(name)?;
-        check_name(newname)?;
+        fusedev::names::check_entry_name(name)?;
+        fusedev::names::check_entry_name(newname)?;
         let known = abi::RENAME_NOREPLACE | abi::RENAME_EXCHANGE;
         if flags & !known != 0 || flags == known {
             // RENAME_WHITEOUT is for overlayfs upper layers; not supported.
@@ -736,7 +734,7 @@ impl MemFs {
     }
 
     fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: u32) -> Result<Reply, Errno> {
-        check_xattr_name(name)?;
+        fusedev::names::check_xattr_name(name)?;
         if value.len() > XATTR_VALUE_MAX {
             return Err(Errno::E2BIG);
         }
@@ -755,7 +753,7 @@ impl MemFs {
     }
 
     fn getxattr(&self, ino: u64, name: &[u8], size: u32, out: &mut [u8]) -> Result<Reply, Errno> {
-        check_xattr_name(name)?;
+        fusedev::names::check_xattr_name(name)?;
         let shard = self.table.lock(ino);
         let inode = shard.get(&ino).ok_or(Errno::ENOENT)?;
         let value = inode.xattrs.get(name).ok_or(Errno::ENODATA)?;
@@ -775,7 +773,7 @@ impl MemFs {
     }
 
     fn removexattr(&self, ino: u64, name: &[u8]) -> Result<Reply, Errno> {
-        check_xattr_name(name)?;
+        fusedev::names::check_xattr_name(name)?;
         let mut shard = self.table.lock(ino);
         let inode = shard.get_mut(&ino).ok_or(Errno::ENOENT)?;
         inode.xattrs.remove(name).ok_or(Errno::ENODATA)?;
@@ -901,27 +899,6 @@ impl Handler for MemFs {
     fn handle(&self, _ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         self.dispatch(req, out).unwrap_or_else(Reply::Error)
     }
-}
-
-/// Names a filesystem accepts: 1..=255 bytes without '/'.
-fn check_name(name: &[u8]) -> Result<(), Errno> {
-    if name.len() > NAME_MAX {
-        return Err(Errno::ENAMETOOLONG);
-    }
-    if name.is_empty() || name.contains(&b'/') {
-        return Err(Errno::EINVAL);
-    }
-    Ok(())
-}
-
-fn check_xattr_name(name: &[u8]) -> Result<(), Errno> {
-    if name.is_empty() {
-        return Err(Errno::EINVAL);
-    }
-    if name.len() > XATTR_NAME_MAX {
-        return Err(Errno::ERANGE);
-    }
-    Ok(())
 }
 
 /// A fixed-size reply struct.
