@@ -2692,6 +2692,8 @@ fn durable_keys(fs: &TestFs) -> u64 {
 /// already formatted) still writes the inode counter `<prefix>/C` into etcd; a refused
 /// command must leave the etcd prefix as it found it.
 #[test]
+#[ignore = "known bug: a refused mount or mkfs still writes <prefix>/C (the pipeline reserves \
+            inode numbers when it starts); run with --ignored"]
 fn known_bug_refused_commands_write_nothing_to_etcd() {
     let Some(endpoints) =
         common::etcd_or_skip("known_bug_refused_commands_write_nothing_to_etcd", None)
