@@ -57,24 +57,17 @@ pub fn run_batch(
             };
             let fd = types::Fd(op.fd);
             let sqe = match &mut op.buf {
-                BatchBuf::Read(b) => opcode::Read::new(fd, b.as_mut_ptr(), len),
-                BatchBuf::Write(b) => {
-                    let w = opcode::Write::new(fd, b.as_ptr(), len).offset(op.offset);
-                    let sqe = w.build().user_data(i as u64);
-                    // SAFETY: `ops` borrows the buffer for this whole call, and the call
-                    // returns only once every pushed SQE's completion has been reaped
-                    // (`inflight` back at zero); a wait that keeps failing aborts instead.
-                    match unsafe { ring.push(&sqe) } {
-                        Ok(()) => inflight += 1,
-                        Err(e) => results[i] = Some(Err(e)),
-                    }
-                    continue;
-                }
+                BatchBuf::Read(b) => opcode::Read::new(fd, b.as_mut_ptr(), len)
+                    .offset(op.offset)
+                    .build(),
+                BatchBuf::Write(b) => opcode::Write::new(fd, b.as_ptr(), len)
+                    .offset(op.offset)
+                    .build(),
             }
-            .offset(op.offset)
-            .build()
             .user_data(i as u64);
-            // SAFETY: as for writes above.
+            // SAFETY: `ops` borrows the buffer for this whole call, and the call returns only
+            // once every pushed SQE's completion has been reaped (`inflight` back at zero); a
+            // wait that keeps failing aborts instead.
             match unsafe { ring.push(&sqe) } {
                 Ok(()) => inflight += 1,
                 Err(e) => results[i] = Some(Err(e)),
