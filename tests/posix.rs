@@ -1312,6 +1312,96 @@ fn large_and_unaligned_io() {
     assert_same_bytes("model file", &fs::read(&q).expect("read"), &model);
 }
 
+/// Whole-block overwrites inside EOF (O_DIRECT and buffered) are served on the core, from
+/// the request's buffer straight to the device, on both transports; what is read back, the
+/// mtime and a remount agree with a model, and writes that allocate or extend still take
+/// the waiter path.
+#[test]
+fn block_aligned_overwrites_are_served_on_the_core() {
+    const T: &str = "block_aligned_overwrites_are_served_on_the_core";
+    let Some(fs) = TestFs::new_or_skip(T, None) else {
+        return;
+    };
+    for transport in ["uring", "devfuse"] {
+        if !common::can_run(T, Some(transport)) {
+            continue;
+        }
+        let m = fs.mount(transport, &[]);
+        let p = m.path(&format!("blocks-{transport}"));
+        let mut model = pattern(2 * MIB as usize, 3);
+        fs::write(&p, &model).expect("write the file");
+        let counter = |name: &str| m.stats_json()["counters"][name].as_u64().unwrap_or(0);
+        let (on_core, on_waiter) = (
+            counter("data_writes_on_core"),
+            counter("data_writes_on_waiter"),
+        );
+        let before = mtime_ns(&p);
+        tick();
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&p)
+            .expect("open O_DIRECT");
+        // O_DIRECT wants a page-aligned buffer: take the aligned part of a larger one.
+        let mut backing = vec![0u8; (256 << 10) + 4096];
+        let at = backing.as_ptr().align_offset(4096);
+        let buf = &mut backing[at..at + (256 << 10)];
+        // The first WRITE of an open file loads its extent map on a waiter; the others of
+        // the same open are served on the core.
+        let mut on_core_expected = 0;
+        for (i, (off, len)) in [
+            (0usize, 4096usize),
+            (8192, 65536),
+            (MIB as usize - 4096, 256 << 10),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let data = pattern(len, 40 + i as u8);
+            buf[..len].copy_from_slice(&data);
+            f.write_all_at(&buf[..len], off as u64)
+                .expect("O_DIRECT pwrite");
+            model[off..off + len].copy_from_slice(&data);
+            on_core_expected += u64::from(i > 0);
+        }
+        drop(f);
+        // Buffered whole-block writes reach the daemon as they are (no writeback cache).
+        let f = OpenOptions::new().write(true).open(&p).expect("open");
+        let data = pattern(8192, 77);
+        for off in [3 * 4096, 6 * 4096] {
+            f.write_all_at(&data, off as u64).expect("pwrite");
+            model[off..off + 8192].copy_from_slice(&data);
+        }
+        on_core_expected += 1;
+        // Extending: allocates and commits, so it is not an overwrite.
+        f.write_all_at(&data, 2 * MIB).expect("pwrite past EOF");
+        model.extend_from_slice(&data);
+        drop(f);
+        assert!(
+            counter("data_writes_on_core") >= on_core + on_core_expected,
+            "{transport}: whole-block overwrites were not served on the core (on the core: \
+             {on_core} before, {} after; on a waiter: {on_waiter} before, {} after)",
+            counter("data_writes_on_core"),
+            counter("data_writes_on_waiter")
+        );
+        assert!(
+            counter("data_writes_on_waiter") > on_waiter,
+            "{transport}: extending write"
+        );
+        assert!(mtime_ns(&p) > before, "{transport}: mtime did not advance");
+        assert_same_bytes(transport, &fs::read(&p).expect("read back"), &model);
+        m.stop();
+        let m = fs.mount(transport, &[]);
+        assert_same_bytes(
+            &format!("{transport} after remount"),
+            &fs::read(m.path(&format!("blocks-{transport}"))).expect("read after remount"),
+            &model,
+        );
+        m.stop();
+    }
+}
+
 /// Seeded random unaligned reads and writes on a growing file, each read checked against
 /// a model. This once caught a READ answered short just after a size-extending WRITE, as if
 /// the file ended at an older size (the late bookkeeping of an older commit replaced the

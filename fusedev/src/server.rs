@@ -76,6 +76,13 @@ impl<'a> RequestCtx<'a> {
         })
     }
 
+    /// Whether the transport executes [`Reply::Write`] plans for this request: it serves it
+    /// on a core's ring, and a WRITE's data starts page-aligned in its buffer, so block-
+    /// aligned pieces of it can go to an O_DIRECT device as they are.
+    pub fn io_plans(&self) -> bool {
+        self.defer.is_some()
+    }
+
     /// Whether [`RequestCtx::defer`] handed out the reply.
     pub(crate) fn was_deferred(&self) -> bool {
         self.deferred.get()
@@ -201,6 +208,65 @@ impl Segment {
     }
 }
 
+/// Something a handler keeps alive until the device I/O of a plan has finished (its file's
+/// count of I/O in flight, which truncate waits on before it frees blocks). The transport
+/// drops it on the core once the last segment completed, whatever the outcome.
+pub struct Hold {
+    // Never read: what matters is when it is dropped.
+    _held: Box<dyn Send>,
+}
+
+impl Hold {
+    /// Holds `t` until the I/O is over.
+    pub fn new<T: Send + 'static>(t: T) -> Self {
+        Hold { _held: Box::new(t) }
+    }
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hold")
+    }
+}
+
+/// A WRITE served from the request's own buffer: each segment goes from the WRITE's data to
+/// the device with no copy, and once all completed the reply says `written` bytes (any
+/// failure or short write answers EIO). Returned only when [`RequestCtx::io_plans`] is true;
+/// for O_DIRECT, keep `src`, `offset` and `len` block-aligned.
+#[derive(Debug)]
+pub struct WritePlan {
+    /// Device writes, issued together.
+    pub segments: Vec<WriteSegment>,
+    /// What the reply reports written.
+    pub written: u32,
+    /// Dropped when the writes are over.
+    pub hold: Option<Hold>,
+}
+
+/// One device write of a [`WritePlan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteSegment {
+    /// The device.
+    pub fd: RawFd,
+    /// Where on the device.
+    pub offset: u64,
+    /// Where in the WRITE's data the bytes start.
+    pub src: usize,
+    /// How many bytes.
+    pub len: usize,
+}
+
+impl WritePlan {
+    /// Whether every segment lies inside `data_len` bytes of WRITE data.
+    pub fn fits(&self, data_len: usize) -> bool {
+        self.segments.iter().all(|s| {
+            s.src
+                .checked_add(s.len)
+                .is_some_and(|end| end <= data_len && s.len > 0)
+        }) && self.segments.iter().map(|s| s.len).sum::<usize>() <= u32::MAX as usize
+    }
+}
+
 /// What the handler wants sent back to the kernel.
 #[derive(Debug)]
 pub enum Reply {
@@ -211,6 +277,8 @@ pub enum Reply {
     Fd { fd: RawFd, offset: u64, len: usize },
     /// Success of a READ assembled from device reads and zeros.
     Read(ReadPlan),
+    /// A WRITE whose data the transport writes to the device from the request's buffer.
+    Write(WritePlan),
     /// Failure with this errno.
     Error(Errno),
     /// The request takes no reply (FORGET, BATCH_FORGET, and INTERRUPT handled locally).

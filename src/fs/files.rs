@@ -8,7 +8,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc, Mutex, MutexGuard, PoisonError,
+    },
 };
 
 use fusedev::errno::Errno;
@@ -57,9 +60,46 @@ impl FileInner {
 pub(crate) struct FileState {
     pub(crate) ino: u64,
     inner: Mutex<FileInner>,
+    /// Device reads and writes the transport runs for this file after its lock was let go
+    /// (the READ and WRITE fast paths). Whoever frees or rewrites blocks of the file waits,
+    /// holding the lock, until it is zero: a block freed under an I/O in flight could be
+    /// handed to another file before that I/O lands.
+    io_in_flight: AtomicU32,
+}
+
+/// One fast-path device I/O of a file, counted until dropped (see [`FileState::begin_io`]).
+#[derive(Debug)]
+pub(crate) struct IoInFlight(Arc<FileState>);
+
+impl Drop for IoInFlight {
+    fn drop(&mut self) {
+        self.0.io_in_flight.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl FileState {
+    /// Counts a device I/O that will run without the lock. Call it holding the lock, which
+    /// is what makes [`FileState::wait_io`] (also under the lock) see every one.
+    pub(crate) fn begin_io(self: &Arc<Self>, _held: &FileInner) -> IoInFlight {
+        self.io_in_flight.fetch_add(1, Ordering::Acquire);
+        IoInFlight(self.clone())
+    }
+
+    /// Waits, holding the lock, until no fast-path I/O of the file is in flight. They run
+    /// on the cores' rings and take microseconds to milliseconds; no lock is needed to
+    /// finish them, so this cannot deadlock. Never call it on a core thread.
+    pub(crate) fn wait_io(&self, _held: &FileInner) {
+        let mut spins = 0u32;
+        while self.io_in_flight.load(Ordering::Acquire) > 0 {
+            spins += 1;
+            if spins < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, FileInner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -109,6 +149,7 @@ impl Files {
                 orphaned: false,
                 mtime_dirty: None,
             }),
+            io_in_flight: AtomicU32::new(0),
         });
         t.insert(ino, (1, st.clone()));
         Ok(st)

@@ -57,7 +57,7 @@ use fusedev::{
     errno::Errno,
     reply::{self, dirent_type, DirentWriter},
     request::{Operation, Request},
-    server::{Handler, ReadPlan, Reply, RequestCtx, Segment},
+    server::{Handler, Hold, ReadPlan, Reply, RequestCtx, Segment, WritePlan, WriteSegment},
     transport::Notifier,
 };
 use meta::{
@@ -378,6 +378,17 @@ pub(crate) struct Inner {
     dirs: Mutex<HashMap<u64, DirHandle>>,
     next_fh: AtomicU64,
     stopping: AtomicBool,
+    data_counters: DataCounters,
+}
+
+/// Where READs and WRITEs were served, for `etcfs stats`: on the core (no etcd, no waiter)
+/// or on a waiter.
+#[derive(Default)]
+struct DataCounters {
+    reads_on_core: AtomicU64,
+    reads_on_waiter: AtomicU64,
+    writes_on_core: AtomicU64,
+    writes_on_waiter: AtomicU64,
 }
 
 /// One open directory: the names behind the cookies it handed out.
@@ -474,6 +485,7 @@ impl EtcFs {
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            data_counters: DataCounters::default(),
         });
         inner
             .claim_groups(GROUPS_CLAIM_INITIAL)
@@ -1240,6 +1252,7 @@ impl Inner {
     /// device first (bytes past EOF in that block must read as zeros when it grows again).
     fn truncate(&self, st: &FileState, size: u64, mut set: SetAttr) -> Result<InodeAttr, Errno> {
         let mut f = st.lock();
+        st.wait_io(&f);
         let old = f.attr.size;
         if size < old && size % BLOCK_SIZE != 0 {
             let block = size - size % BLOCK_SIZE;
@@ -1396,6 +1409,9 @@ impl Inner {
         if len == 0 {
             return reply_write(0);
         }
+        // A partial block is read, merged and rewritten: no fast-path write of it may be in
+        // flight meanwhile.
+        st.wait_io(&f);
         let size = f.attr.size;
         let block_off = off - off % BLOCK_SIZE;
         let block_end = end.next_multiple_of(BLOCK_SIZE);
@@ -1916,6 +1932,7 @@ impl Inner {
     /// fallocate mode 0: unwritten extents for the holes of the range, size raised.
     fn allocate(&self, st: &FileState, off: u64, end: u64, grow: bool) -> Result<Done, Errno> {
         let mut f = st.lock();
+        st.wait_io(&f);
         let b_off = off - off % BLOCK_SIZE;
         let b_end = end.next_multiple_of(BLOCK_SIZE);
         let extents = self.extents_for(&mut f, st.ino, b_off, b_end - b_off)?;
@@ -2005,6 +2022,7 @@ impl Inner {
     /// zeroed in place.
     fn punch(&self, st: &FileState, off: u64, end: u64) -> Result<Done, Errno> {
         let mut f = st.lock();
+        st.wait_io(&f);
         let end = end.min(f.attr.size.max(off));
         if end <= off {
             return Ok(Done::Empty);
@@ -2408,6 +2426,39 @@ pub(crate) fn build_read(
     })
 }
 
+/// The device writes of a whole-block overwrite of `[off, off + len)`, when every block of
+/// it is inside `size` and mapped to written (not unwritten) space; `None` otherwise (the
+/// write then needs allocation, read-modify-write or a commit).
+pub(crate) fn overwrite_segments(
+    extents: &[FileExtent],
+    size: u64,
+    off: u64,
+    len: usize,
+    fd: RawFd,
+) -> Option<Vec<WriteSegment>> {
+    let len64 = len as u64;
+    let end = off.checked_add(len64)?;
+    if len == 0 || off % BLOCK_SIZE != 0 || len64 % BLOCK_SIZE != 0 || end > size {
+        return None;
+    }
+    let mut segments = Vec::new();
+    let mut at = off;
+    for e in files::overlapping(extents, off, len64) {
+        if e.unwritten || e.file_off > at {
+            return None;
+        }
+        let piece_end = (e.file_off + e.len).min(end);
+        segments.push(WriteSegment {
+            fd,
+            offset: e.dev_off + (at - e.file_off),
+            src: (at - off) as usize,
+            len: (piece_end - at) as usize,
+        });
+        at = piece_end;
+    }
+    (at == end).then_some(segments)
+}
+
 /// Executes a read plan here (memory device, or a plan larger than the reply buffer).
 fn exec_read(io: &mut dyn BlockDev, plan: &ReadPlan) -> Result<Vec<u8>, Errno> {
     let mut data = Vec::with_capacity(plan.total());
@@ -2617,9 +2668,12 @@ impl EtcFs {
             Operation::Opendir { .. } => self.offload(ctx, out, move |i| i.open_file(ino, 0, true)),
             Operation::Read { offset, size, .. } => {
                 // Fast path: the extent map is cached and nobody holds the file.
+                let counters = &self.inner.data_counters;
                 if let Some(r) = self.read_fast(ino, offset, size, out) {
+                    counters.reads_on_core.fetch_add(1, Ordering::Relaxed);
                     return r;
                 }
+                counters.reads_on_waiter.fetch_add(1, Ordering::Relaxed);
                 let out_len = out.len();
                 self.offload(ctx, out, move |i| i.read(ino, offset, size, out_len))
             }
@@ -2629,10 +2683,18 @@ impl EtcFs {
                 write_flags,
                 ..
             } => {
+                let kill = write_flags & abi::FUSE_WRITE_KILL_SUIDGID != 0;
+                let counters = &self.inner.data_counters;
+                if ctx.io_plans() {
+                    if let Some(r) = self.write_fast(ino, offset, data.len(), kill) {
+                        counters.writes_on_core.fetch_add(1, Ordering::Relaxed);
+                        return r;
+                    }
+                }
+                counters.writes_on_waiter.fetch_add(1, Ordering::Relaxed);
                 // The data is copied once, here, out of the transport's buffer; the
                 // waiter builds the aligned device image from it.
                 let data = data.to_vec();
-                let kill = write_flags & abi::FUSE_WRITE_KILL_SUIDGID != 0;
                 self.offload(ctx, out, move |i| i.write(ino, offset, &data, kill))
             }
             Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
@@ -2744,6 +2806,33 @@ impl EtcFs {
     }
 }
 
+impl EtcFs {
+    /// WRITE on the core, from the request's buffer straight to the device, when it is a
+    /// whole-block overwrite of written blocks inside EOF of a file whose map is cached and
+    /// whose lock is free: nothing but mtime changes (written at FLUSH/FSYNC/RELEASE), so
+    /// no etcd, no copy and no waiter. Everything else takes [`Inner::write`].
+    fn write_fast(&self, ino: u64, off: u64, len: usize, kill_suid: bool) -> Option<Reply> {
+        let fd = self.inner.dev.fd()?;
+        if !(self.inner.session_alive)() {
+            return None;
+        }
+        let st = self.inner.files.get(ino)?;
+        let mut f = st.try_lock()?;
+        if kill_suid && f.attr.perm & 0o6000 != 0 {
+            return None;
+        }
+        let segments = overwrite_segments(f.extents.as_ref()?, f.attr.size, off, len, fd)?;
+        f.mtime_dirty = Some(SystemClock::new().wall());
+        let hold = Hold::new(st.begin_io(&f));
+        drop(f);
+        Some(Reply::Write(WritePlan {
+            segments,
+            written: u32::try_from(len).ok()?,
+            hold: Some(hold),
+        }))
+    }
+}
+
 impl Handler for EtcFs {
     fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         self.dispatch(ctx, req, out)
@@ -2775,6 +2864,15 @@ impl Handler for EtcFs {
             c.push((format!("etcd_txns_with_mutations_{name}"), n));
         }
         c.extend(self.inner.caches.counters());
+        let d = &self.inner.data_counters;
+        for (name, n) in [
+            ("data_reads_on_core", &d.reads_on_core),
+            ("data_reads_on_waiter", &d.reads_on_waiter),
+            ("data_writes_on_core", &d.writes_on_core),
+            ("data_writes_on_waiter", &d.writes_on_waiter),
+        ] {
+            c.push((name.into(), n.load(Ordering::Relaxed)));
+        }
         c
     }
 
@@ -2826,6 +2924,46 @@ mod helper_tests {
             dev_off: d * B,
             unwritten,
         }
+    }
+
+    #[test]
+    fn overwrite_segments_only_for_written_whole_blocks_inside_eof() {
+        let map = [
+            ext(0, 2, 300, false),
+            ext(2, 2, 500, false),
+            ext(4, 1, 600, true),
+            ext(6, 1, 700, false),
+        ];
+        let size = 8 * B;
+        let seg = |offset: u64, src: u64, len: u64| WriteSegment {
+            fd: 3,
+            offset: offset * B,
+            src: (src * B) as usize,
+            len: (len * B) as usize,
+        };
+        // Across two extents: one write each, from the right place in the data.
+        assert_eq!(
+            overwrite_segments(&map, size, B, 3 * B as usize, 3),
+            Some(vec![seg(301, 0, 1), seg(500, 1, 2)])
+        );
+        assert_eq!(
+            overwrite_segments(&map, size, 6 * B, B as usize, 3),
+            Some(vec![seg(700, 0, 1)])
+        );
+        // Unwritten space, a hole, unaligned, past EOF, empty: not an overwrite.
+        assert_eq!(overwrite_segments(&map, size, 4 * B, B as usize, 3), None);
+        assert_eq!(
+            overwrite_segments(&map, size, 5 * B, 2 * B as usize, 3),
+            None
+        );
+        assert_eq!(overwrite_segments(&map, size, 7 * B, B as usize, 3), None);
+        assert_eq!(overwrite_segments(&map, size, 10, B as usize, 3), None);
+        assert_eq!(overwrite_segments(&map, size, 0, 100, 3), None);
+        assert_eq!(
+            overwrite_segments(&map, 6 * B + 1, 6 * B, B as usize, 3),
+            None
+        );
+        assert_eq!(overwrite_segments(&map, size, 0, 0, 3), None);
     }
 
     #[test]

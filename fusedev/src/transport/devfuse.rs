@@ -23,8 +23,11 @@ use super::{
 use crate::{
     mount::owned,
     opcode::Opcode,
-    request,
-    server::{DeferredCompletion, DeferredOutcome, ReadPlan, Reply, RequestCtx, Segment},
+    reply,
+    request::{self, Operation},
+    server::{
+        DeferredCompletion, DeferredOutcome, Hold, ReadPlan, Reply, RequestCtx, Segment, WritePlan,
+    },
 };
 
 const TAG_READ_REQ: u64 = 0;
@@ -67,6 +70,8 @@ enum SlotState {
         skip: usize,
         len: usize,
         short_is_eof: bool,
+        /// A WRITE: the size its reply reports once every segment is written.
+        written: Option<u32>,
     },
     /// The three linked splice SQEs are in flight; `left` of them have not completed.
     Splicing {
@@ -81,6 +86,10 @@ enum SlotState {
 /// Reply arguments start one page into `out`, so device reads into them are page-aligned
 /// (O_DIRECT); the out header sits just before them.
 const ARGS_AT: usize = PAGE;
+/// Where in a slot's in buffer a request is read to: a WRITE's in header (40 bytes) and
+/// `fuse_write_in` (40) end at the page boundary, so its data starts page-aligned and can go
+/// to an O_DIRECT device from there.
+const REQUEST_AT: usize = PAGE - 80;
 const HEADER_AT: usize = ARGS_AT - OUT_HEADER_LEN;
 
 struct Slot {
@@ -121,6 +130,8 @@ struct Worker<'a> {
     recorder: perf::CoreRecorder,
     completions_tx: Sender<DeferredCompletion>,
     waker: &'a Waker,
+    /// Per slot, what the handler keeps alive until the slot's device I/O is over.
+    holds: Vec<Option<Hold>>,
     live: usize,
 }
 
@@ -148,7 +159,7 @@ impl<'a> Worker<'a> {
         let size = shared.negotiated.payload_max() + REQUEST_HEADER_ROOM;
         let slots: Vec<Slot> = (0..depth)
             .map(|_| Slot {
-                inbuf: AlignedBuf::new(size),
+                inbuf: AlignedBuf::new(REQUEST_AT + size),
                 out: AlignedBuf::new(ARGS_AT + size),
                 pipe: make_pipe()
                     .map_err(|e| log::warn!("no splice pipe: {e}"))
@@ -162,6 +173,7 @@ impl<'a> Worker<'a> {
             core,
             ring,
             live: slots.len(),
+            holds: (0..slots.len()).map(|_| None).collect(),
             slots,
             dev,
             recorder: shared.perf.core(core),
@@ -227,8 +239,9 @@ impl<'a> Worker<'a> {
         let devfd = self.devfd();
         let slot = &mut self.slots[idx];
         slot.state = SlotState::Reading;
-        let len = slot.inbuf.len() as u32;
-        let sqe = opcode::Read::new(types::Fd(devfd), slot.inbuf.as_mut_ptr(), len)
+        let buf = &mut slot.inbuf[REQUEST_AT..];
+        let len = buf.len() as u32;
+        let sqe = opcode::Read::new(types::Fd(devfd), buf.as_mut_ptr(), len)
             .build()
             .user_data(TAG_READ_REQ | idx as u64);
         self.push(&sqe);
@@ -249,7 +262,7 @@ impl<'a> Worker<'a> {
             (TAG_READ_REQ, SlotState::Reading) => {
                 if c.result >= 0 {
                     if let Some(wait) = t_batch.elapsed_ns() {
-                        let opcode = request::peek_opcode(&slot.inbuf).unwrap_or(0);
+                        let opcode = request::peek_opcode(&slot.inbuf[REQUEST_AT..]).unwrap_or(0);
                         self.recorder
                             .record(op_index(opcode), perf::Stage::QueueWait, wait);
                     }
@@ -286,6 +299,7 @@ impl<'a> Worker<'a> {
                     skip,
                     len,
                     short_is_eof,
+                    written,
                 },
             ) => {
                 let (error, got) = if c.result < 0 {
@@ -303,11 +317,16 @@ impl<'a> Worker<'a> {
                         skip,
                         len,
                         short_is_eof,
+                        written,
                     };
                     return;
                 }
                 self.recorder
                     .record_since(p.op, perf::Stage::DeviceIo, &p.started);
+                self.holds[idx] = None;
+                if let Some(written) = written {
+                    return self.finish_write(idx, p, error, got, want, written);
+                }
                 self.finish_read(idx, p, error, got, want, skip, len, short_is_eof);
             }
             (TAG_SPLICE, SlotState::Splicing { p, left, delivered }) => {
@@ -344,7 +363,7 @@ impl<'a> Worker<'a> {
         let started = self.recorder.timer();
         let ctx = RequestCtx::deferrable(self.core, &self.completions_tx, self.waker, idx as u64);
         let slot = &mut self.slots[idx];
-        let msg = &slot.inbuf[..n.min(slot.inbuf.len())];
+        let msg = &slot.inbuf[REQUEST_AT..(REQUEST_AT + n).min(slot.inbuf.len())];
         let req = match request::decode(msg) {
             Ok(r) => r,
             Err(e) => {
@@ -368,6 +387,11 @@ impl<'a> Worker<'a> {
             started,
         };
         self.recorder.count(p.op);
+        // Where a WRITE's data starts in the in buffer (address arithmetic, no access).
+        let data_at = match req.op {
+            Operation::Write { data, .. } => data.as_ptr() as usize - slot.inbuf.as_ptr() as usize,
+            _ => 0,
+        };
         let t = self.recorder.timer();
         let reply = dispatch(
             self.shared.handler.as_ref(),
@@ -382,6 +406,7 @@ impl<'a> Worker<'a> {
             Reply::Error(e) => self.reply(idx, p, -e.raw(), 0),
             Reply::Deferred => slot.state = SlotState::Deferred(p),
             Reply::Read(plan) => self.start_read(idx, p, &plan, false),
+            Reply::Write(plan) => self.start_write(idx, p, plan, data_at),
             Reply::Fd { fd, offset, len } => {
                 let len = len.min(slot.out.len() - ARGS_AT);
                 let fits_pipe = slot
@@ -469,7 +494,66 @@ impl<'a> Worker<'a> {
             skip,
             len,
             short_is_eof,
+            written: None,
         };
+    }
+
+    /// Writes a WRITE's data from the slot's in buffer (where `data_at` says it starts) to
+    /// the device with io_uring WRITEs.
+    fn start_write(&mut self, idx: usize, p: Pending, plan: WritePlan, data_at: usize) {
+        let (mut outstanding, mut error, mut want) = (0u32, 0i32, 0usize);
+        for seg in &plan.segments {
+            let start = data_at + seg.src;
+            let buf = self.slots[idx].inbuf[start..start + seg.len].as_ptr();
+            let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)
+                .offset(seg.offset)
+                .build()
+                .user_data(TAG_FILE_READ | idx as u64);
+            if self.push(&sqe) {
+                outstanding += 1;
+                want += seg.len;
+            } else {
+                error = -libc::EIO;
+            }
+        }
+        self.holds[idx] = plan.hold;
+        if outstanding == 0 {
+            self.holds[idx] = None;
+            return self.finish_write(idx, p, error, 0, want, plan.written);
+        }
+        self.slots[idx].state = SlotState::ReadingData {
+            p,
+            outstanding,
+            error,
+            got: 0,
+            want,
+            skip: 0,
+            len: 0,
+            short_is_eof: false,
+            written: Some(plan.written),
+        };
+    }
+
+    fn finish_write(
+        &mut self,
+        idx: usize,
+        p: Pending,
+        error: i32,
+        got: usize,
+        want: usize,
+        written: u32,
+    ) {
+        if error < 0 {
+            return self.reply(idx, p, error, 0);
+        }
+        if got < want {
+            log::error!("short device write: {got} of {want} bytes");
+            return self.reply(idx, p, -libc::EIO, 0);
+        }
+        match reply::write(&mut self.slots[idx].out[ARGS_AT..], written) {
+            Some(n) => self.reply(idx, p, 0, n),
+            None => self.reply(idx, p, -libc::EIO, 0),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -39,7 +39,7 @@ use crate::{
     notify,
     opcode::Opcode,
     request::{self, Operation, Request},
-    server::{Handler, ReadPlan, Reply, RequestCtx, Segment},
+    server::{Handler, ReadPlan, Reply, RequestCtx, Segment, WritePlan},
 };
 
 /// Bytes of a request beyond its data: the largest fixed header plus argument.
@@ -477,6 +477,10 @@ pub(crate) fn dispatch(
             );
             Reply::Error(Errno::EIO)
         }
+        Ok(Reply::Write(plan)) if !ctx.io_plans() || !write_plan_fits(req, &plan) => {
+            log::error!("handler's write plan {plan:?} does not fit the request");
+            Reply::Error(Errno::EIO)
+        }
         Ok(Reply::Deferred) if !ctx.was_deferred() => {
             log::error!(
                 "handler deferred opcode {} without taking the reply",
@@ -493,6 +497,13 @@ pub(crate) fn dispatch(
             );
             Reply::Error(Errno::EIO)
         }
+    }
+}
+
+fn write_plan_fits(req: &Request<'_>, plan: &WritePlan) -> bool {
+    match req.op {
+        Operation::Write { data, .. } => plan.fits(data.len()),
+        _ => false,
     }
 }
 
@@ -602,6 +613,8 @@ fn sideband(shared: &Shared, core: usize) {
             },
             Reply::Bytes(n) => (0, n),
             Reply::Error(e) => (-e.raw(), 0),
+            // `dispatch` refuses write plans where the context cannot run them.
+            Reply::Write(_) => (-libc::EIO, 0),
             Reply::Fd { fd, offset, len } => {
                 let len = len.min(args.len());
                 match pread_full(fd, &mut args[..len], offset) {

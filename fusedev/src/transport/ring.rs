@@ -24,8 +24,10 @@ use super::{
 };
 use crate::{
     errno::Errno,
-    request,
-    server::{DeferredCompletion, DeferredOutcome, ReadPlan, Reply, RequestCtx, Segment},
+    reply, request,
+    server::{
+        DeferredCompletion, DeferredOutcome, Hold, ReadPlan, Reply, RequestCtx, Segment, WritePlan,
+    },
 };
 
 const CMD_REGISTER: u32 = 1;
@@ -37,7 +39,7 @@ const IN_HEADER_LEN: usize = 40;
 
 /// `user_data` tags: the low 32 bits are the entry index.
 const TAG_CMD: u64 = 0;
-const TAG_DATA_READ: u64 = 1 << 32;
+const TAG_DATA_IO: u64 = 1 << 32;
 const TAG_WAKE: u64 = 2 << 32;
 const TAG_MASK: u64 = 0xffff_ffff << 32;
 
@@ -48,8 +50,8 @@ enum EntryState {
     InKernel,
     /// The handler deferred the reply; it arrives on the worker's completion channel.
     Deferred(Pending),
-    /// A READ reply's data is being read into the payload.
-    Reading(Pending, ReadProgress),
+    /// A READ reply's data is being read into the payload, or a WRITE's data written from it.
+    DeviceIo(Pending, IoProgress),
     /// The kernel ended the entry (unmount): it will not be used again.
     Dead,
 }
@@ -62,9 +64,9 @@ struct Pending {
     started: perf::Timer,
 }
 
-/// Device reads of a READ reply in flight.
+/// Device I/O of a READ or WRITE reply in flight.
 #[derive(Debug, Clone, Copy)]
-struct ReadProgress {
+struct IoProgress {
     outstanding: u32,
     error: i32,
     got: usize,
@@ -73,6 +75,8 @@ struct ReadProgress {
     len: usize,
     /// A file-backed reply (`Reply::Fd`): a short read is EOF, not an error.
     short_is_eof: bool,
+    /// A WRITE: the size its reply reports once every segment is written.
+    written: Option<u32>,
 }
 
 /// One registered entry: the kernel keeps the addresses of `header` and `payload` from
@@ -143,6 +147,8 @@ struct Worker<'a> {
     waker: &'a Waker,
     scratch_in: Vec<u8>,
     scratch_out: Vec<u8>,
+    /// Per entry, what the handler keeps alive until the entry's device I/O is over.
+    holds: Vec<Option<Hold>>,
     live: usize,
 }
 
@@ -202,6 +208,7 @@ impl<'a> Worker<'a> {
             ring,
             devfd: shared.mount.fd(),
             live: entries.len(),
+            holds: (0..entries.len()).map(|_| None).collect(),
             entries,
             recorder: shared.perf.core(core),
             completions_tx,
@@ -296,7 +303,7 @@ impl<'a> Worker<'a> {
                 }
                 self.serve(idx);
             }
-            TAG_DATA_READ => self.segment_read(idx, c.result),
+            TAG_DATA_IO => self.segment_read(idx, c.result),
             _ => {}
         }
     }
@@ -392,6 +399,7 @@ impl<'a> Worker<'a> {
                 self.start_read(idx, p, &plan, true);
             }
             Reply::Read(plan) => self.start_read(idx, p, &plan, false),
+            Reply::Write(plan) => self.start_write(idx, p, plan),
         }
     }
 
@@ -428,7 +436,7 @@ impl<'a> Worker<'a> {
     /// Reads a READ reply's device segments into the payload with io_uring READs.
     fn start_read(&mut self, idx: usize, p: Pending, plan: &ReadPlan, short_is_eof: bool) {
         let e = &mut self.entries[idx];
-        let mut progress = ReadProgress {
+        let mut progress = IoProgress {
             outstanding: 0,
             error: 0,
             got: 0,
@@ -436,6 +444,7 @@ impl<'a> Worker<'a> {
             skip: plan.skip,
             len: plan.len,
             short_is_eof,
+            written: None,
         };
         let mut pos = 0;
         for seg in &plan.segments {
@@ -446,7 +455,7 @@ impl<'a> Worker<'a> {
                     let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
                         .offset(offset)
                         .build()
-                        .user_data(TAG_DATA_READ | idx as u64);
+                        .user_data(TAG_DATA_IO | idx as u64);
                     // SAFETY: the range lies inside the payload (the plan was checked to fit)
                     // and the entry stays in `Reading` until every read completes.
                     if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
@@ -462,7 +471,44 @@ impl<'a> Worker<'a> {
         if progress.outstanding == 0 {
             self.finish_read(idx, p, progress);
         } else {
-            e.state = EntryState::Reading(p, progress);
+            e.state = EntryState::DeviceIo(p, progress);
+        }
+    }
+
+    /// Writes a WRITE's data from the payload to the device with io_uring WRITEs.
+    fn start_write(&mut self, idx: usize, p: Pending, plan: WritePlan) {
+        let e = &mut self.entries[idx];
+        let mut progress = IoProgress {
+            outstanding: 0,
+            error: 0,
+            got: 0,
+            want: 0,
+            skip: 0,
+            len: 0,
+            short_is_eof: false,
+            written: Some(plan.written),
+        };
+        for seg in &plan.segments {
+            let buf = e.payload[seg.src..seg.src + seg.len].as_ptr();
+            let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)
+                .offset(seg.offset)
+                .build()
+                .user_data(TAG_DATA_IO | idx as u64);
+            // SAFETY: the range lies inside the payload (`dispatch` checked the plan against
+            // the WRITE's data, which is the payload's start), and the entry stays in
+            // `DeviceIo`, its payload untouched, until every write completes.
+            if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
+                progress.outstanding += 1;
+                progress.want += seg.len;
+            } else {
+                progress.error = -libc::EIO;
+            }
+        }
+        self.holds[idx] = plan.hold;
+        if progress.outstanding == 0 {
+            self.finish_read(idx, p, progress);
+        } else {
+            e.state = EntryState::DeviceIo(p, progress);
         }
     }
 
@@ -470,7 +516,7 @@ impl<'a> Worker<'a> {
         let Some(e) = self.entries.get_mut(idx) else {
             return;
         };
-        let EntryState::Reading(p, mut progress) = e.state else {
+        let EntryState::DeviceIo(p, mut progress) = e.state else {
             return;
         };
         progress.outstanding -= 1;
@@ -480,7 +526,7 @@ impl<'a> Worker<'a> {
             progress.got += result as usize;
         }
         if progress.outstanding > 0 {
-            e.state = EntryState::Reading(p, progress);
+            e.state = EntryState::DeviceIo(p, progress);
             return;
         }
         self.recorder
@@ -488,9 +534,24 @@ impl<'a> Worker<'a> {
         self.finish_read(idx, p, progress);
     }
 
-    fn finish_read(&mut self, idx: usize, p: Pending, progress: ReadProgress) {
+    fn finish_read(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        self.holds[idx] = None;
         if progress.error < 0 {
             return self.reply(idx, p, progress.error, 0);
+        }
+        if let Some(written) = progress.written {
+            if progress.got < progress.want {
+                log::error!(
+                    "short device write: {} of {} bytes",
+                    progress.got,
+                    progress.want
+                );
+                return self.reply(idx, p, -libc::EIO, 0);
+            }
+            return match reply::write(&mut self.entries[idx].payload, written) {
+                Some(n) => self.reply(idx, p, 0, n),
+                None => self.reply(idx, p, -libc::EIO, 0),
+            };
         }
         let len = if progress.short_is_eof {
             progress.got.min(progress.len)
