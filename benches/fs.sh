@@ -7,7 +7,7 @@
 #      raw file of the same size on the host filesystem that holds etcfs's device image.
 #      Both are laid out by the same write pass first (reads hit written blocks, writes
 #      overwrite); random offsets are the same on both (fixed seed). etcfs is measured with
-#      its default ring depth and again with --ring-entries-per-queue DEEP.
+#      its default ring depth and, with --deep N, again with --ring-entries-per-queue N.
 #   2. single-client create, stat and unlink rates (benches/meta_rates.c: FILES files in one
 #      directory, one timed phase each, no process start-up inside the timing), next to
 #      same-shaped etcd requests sent one at a time by benches/etcd_txn.rs through etcfs's
@@ -44,7 +44,7 @@ set -euo pipefail
 RUNS=5
 FIO_SECS=5
 FIO_SIZE=1G
-DEEP=32
+DEEP=0
 FILES=2000
 CLIENTS=4
 META_TIMEOUT=1
@@ -746,8 +746,7 @@ if [ $WRITE_DOC = 1 ]; then
 		echo
 		echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
 		echo "- machine: $(nproc) CPUs (${cpu:-?}), $mem RAM, kernel $(uname -r); shared and noisy (other builds run beside it)"
-		ring=$("$ETCFS" mount --help 2>/dev/null | grep -A3 -- '--ring-entries-per-queue' | grep -o 'default: [0-9]*' | head -1 | grep -o '[0-9]*' || true)
-		echo "- etcfs: $commit; \`etcfs mount --etcd URL --device IMG --foreground\` (transport auto), default workers (one per CPU), default ring depth (${ring:-?} entries per queue)"
+		echo "- etcfs: $commit; \`etcfs mount --etcd URL --device IMG --foreground\` (transport auto), default workers (one per CPU), default ring depth (automatic: 256 MiB of 1 MiB buffers over the CPU queues, 8 to 32 per queue: $(( q = 256 / $(nproc --all), q < 8 ? 8 : (q > 32 ? 32 : q) )) here)"
 		echo "- etcd: $(etcd --version | head -1 | sed 's/etcd Version: //'), one member on loopback, data dir on $fsetcd; etcfs device: sparse $((DEV_BYTES >> 30)) GiB image file on $fsdev (/var/tmp), opened by etcfs with O_DIRECT; raw side: a $FIO_SIZE file beside it"
 		echo "- fio $(fio --version | sed 's/^fio-//'): \`--direct=1 --ioengine=io_uring --numjobs=1 --size=$FIO_SIZE --time_based --runtime=$FIO_SECS --ramp_time=1 --randrepeat=1 --norandommap\`, files laid out first by one 1 MiB write pass"
 		echo "- metadata mounts: \`--attr-timeout $META_TIMEOUT --entry-timeout $META_TIMEOUT\` and a pause of that + 0.5 s before the stat and unlink phases (so those calls reach the daemon, not the kernel's cache); clients: \`benches/meta_rates.c\`; etcd floor: \`benches/etcd_txn.rs\` (\`cargo bench --bench etcd_txn\`)"

@@ -128,7 +128,7 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     let cfg = SessionConfig {
         transport: choice,
         cpus: cpus.to_vec(),
-        ring_entries_per_queue: args.ring_entries_per_queue as usize,
+        ring_entries_per_queue: args.ring_entries_per_queue.map_or(0, |n| n as usize),
         devfuse_reads_per_core: args.devfuse_reads_per_core as usize,
     };
     let handler_for_stats = handler.clone();

@@ -121,10 +121,12 @@ pub(crate) struct MountArgs {
     /// directory is looked up name by name.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) dir_names_max: u64,
-    /// FUSE ring entries registered per CPU queue (each holds a 1 MiB buffer). A request
-    /// waiting on etcd keeps its entry, so this bounds the requests in flight per queue.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub(crate) ring_entries_per_queue: u32,
+    /// FUSE ring entries registered per CPU queue (each holds a `max_write` buffer, 1 MiB).
+    /// A request keeps its entry until answered, so this bounds the requests in flight per
+    /// queue (fio at queue depth 32 needs 32). Default: 32, fewer on machines with many
+    /// CPUs so that all queues' buffers stay within 256 MiB, but never fewer than 8.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(crate) ring_entries_per_queue: Option<u32>,
     /// Requests each /dev/fuse worker reads ahead and keeps in flight (each slot holds two
     /// 0.5 MiB buffers and a pipe).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]

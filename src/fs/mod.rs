@@ -2408,22 +2408,39 @@ pub(crate) fn build_read(
     }
     let (a_off, a_len) = aligned_range(off, len, size);
     let spans = dplan::plan_read(extents, size.next_multiple_of(BLOCK_SIZE), a_off, a_len)?;
-    let segments = spans
-        .iter()
-        .map(|s| match *s {
-            ReadSpan::Device { dev_off, len } => Segment::Device {
-                fd,
-                offset: dev_off,
-                len: len as usize,
-            },
-            ReadSpan::Zero { len } => Segment::Zero { len: len as usize },
-        })
-        .collect();
+    let mut segments = Vec::with_capacity(spans.len());
+    for s in &spans {
+        match *s {
+            ReadSpan::Device { dev_off, len } => {
+                for (at, n) in device_pieces(len) {
+                    segments.push(Segment::Device {
+                        fd,
+                        offset: dev_off + at,
+                        len: n as usize,
+                    });
+                }
+            }
+            ReadSpan::Zero { len } => segments.push(Segment::Zero { len: len as usize }),
+        }
+    }
     Ok(ReadPlan {
         segments,
         skip: (off - a_off) as usize,
         len: (end - off) as usize,
     })
+}
+
+/// Largest single device I/O of a READ or WRITE plan. A larger contiguous range goes as
+/// several I/Os issued together, which the device serves in parallel: a 1 MiB request
+/// then completes sooner than as one I/O (measured with benches/fs.sh).
+const DEVICE_IO_MAX: u64 = 256 << 10;
+
+/// `(offset, len)` pieces of a contiguous device range of `len` bytes, each at most
+/// [`DEVICE_IO_MAX`] (block multiples stay block multiples: the maximum is one).
+fn device_pieces(len: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..len)
+        .step_by(DEVICE_IO_MAX as usize)
+        .map(move |at| (at, (len - at).min(DEVICE_IO_MAX)))
 }
 
 /// The device writes of a whole-block overwrite of `[off, off + len)`, when every block of
@@ -2448,12 +2465,14 @@ pub(crate) fn overwrite_segments(
             return None;
         }
         let piece_end = (e.file_off + e.len).min(end);
-        segments.push(WriteSegment {
-            fd,
-            offset: e.dev_off + (at - e.file_off),
-            src: (at - off) as usize,
-            len: (piece_end - at) as usize,
-        });
+        for (rel, n) in device_pieces(piece_end - at) {
+            segments.push(WriteSegment {
+                fd,
+                offset: e.dev_off + (at - e.file_off) + rel,
+                src: (at - off + rel) as usize,
+                len: n as usize,
+            });
+        }
         at = piece_end;
     }
     (at == end).then_some(segments)

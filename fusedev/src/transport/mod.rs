@@ -70,7 +70,8 @@ pub struct SessionConfig {
     pub transport: TransportChoice,
     /// One worker per listed CPU, pinned to it.
     pub cpus: Vec<usize>,
-    /// Ring entries registered per FUSE queue (each owns a `max_write` payload buffer).
+    /// Ring entries registered per FUSE queue (each owns a `max_write` payload buffer);
+    /// 0 chooses by memory (see [`ring::auto_entries_per_queue`]).
     pub ring_entries_per_queue: usize,
     /// Reads kept outstanding per `/dev/fuse` worker.
     pub devfuse_reads_per_core: usize,

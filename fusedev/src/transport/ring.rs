@@ -89,6 +89,21 @@ struct Entry {
     state: EntryState,
 }
 
+/// Memory the payload buffers of all queues may take when the entry count is chosen
+/// automatically.
+const AUTO_PAYLOAD_BUDGET: usize = 256 << 20;
+/// Entries per queue chosen automatically: enough for one process at queue depth 32 ...
+const AUTO_ENTRIES_MAX: usize = 32;
+/// ... and never fewer than this, whatever the memory.
+const AUTO_ENTRIES_MIN: usize = 8;
+
+/// Entries per queue for `queues` queues of `payload`-byte buffers: as many as
+/// [`AUTO_PAYLOAD_BUDGET`] allows, within [`AUTO_ENTRIES_MIN`]..=[`AUTO_ENTRIES_MAX`].
+pub(crate) fn auto_entries_per_queue(queues: usize, payload: usize) -> usize {
+    (AUTO_PAYLOAD_BUDGET / queues.max(1).saturating_mul(payload.max(1)))
+        .clamp(AUTO_ENTRIES_MIN, AUTO_ENTRIES_MAX)
+}
+
 /// Starts one worker per configured CPU. Returns the threads, or the threads plus the reason
 /// when registration failed (the caller stops them and falls back to `/dev/fuse`).
 #[allow(clippy::type_complexity)]
@@ -121,7 +136,10 @@ pub(crate) fn start(
         };
         wakers.lock().expect("waker list").push(waker.clone());
         let (s, tx) = (shared.clone(), tx.clone());
-        let entries = cfg.ring_entries_per_queue;
+        let entries = match cfg.ring_entries_per_queue {
+            0 => auto_entries_per_queue(possible.len(), shared.negotiated.payload_max()),
+            n => n,
+        };
         match spawn(&format!("etcfs-ring-{cpu}"), move || {
             Worker::run(&s, core, cpu, &queues, entries, &waker, &tx)
         }) {
@@ -626,4 +644,18 @@ fn cmd_req(commit_id: u64, qid: u16) -> [u8; 80] {
     cmd[8..16].copy_from_slice(&commit_id.to_ne_bytes());
     cmd[16..18].copy_from_slice(&qid.to_ne_bytes());
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_entries_per_queue;
+
+    #[test]
+    fn automatic_entries_stay_within_the_memory_budget_and_bounds() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(auto_entries_per_queue(2, MIB), 32);
+        assert_eq!(auto_entries_per_queue(16, MIB), 16);
+        assert_eq!(auto_entries_per_queue(128, MIB), 8);
+        assert_eq!(auto_entries_per_queue(0, 0), 32);
+    }
 }
