@@ -168,7 +168,7 @@ impl Drop for DeferredReply {
 /// segment's offset and length block-aligned: positions start at 0, which is page-aligned),
 /// fills `Zero` segments, and replies with `len` bytes starting at `skip` (so an unaligned
 /// request can be served from an aligned read).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct ReadPlan {
     /// Segments in out-buffer order.
     pub segments: Vec<Segment>,
@@ -176,6 +176,8 @@ pub struct ReadPlan {
     pub skip: usize,
     /// Bytes of reply data after `skip`.
     pub len: usize,
+    /// Dropped when the reads are over.
+    pub hold: Option<Hold>,
 }
 
 impl ReadPlan {

@@ -405,7 +405,7 @@ impl<'a> Worker<'a> {
             Reply::Bytes(len) => self.reply(idx, p, 0, len),
             Reply::Error(e) => self.reply(idx, p, -e.raw(), 0),
             Reply::Deferred => slot.state = SlotState::Deferred(p),
-            Reply::Read(plan) => self.start_read(idx, p, &plan, false),
+            Reply::Read(plan) => self.start_read(idx, p, plan, false),
             Reply::Write(plan) => self.start_write(idx, p, plan, data_at),
             Reply::Fd { fd, offset, len } => {
                 let len = len.min(slot.out.len() - ARGS_AT);
@@ -420,8 +420,9 @@ impl<'a> Worker<'a> {
                         segments: vec![Segment::Device { fd, offset, len }],
                         skip: 0,
                         len,
+                        hold: None,
                     };
-                    self.start_read(idx, p, &plan, true);
+                    self.start_read(idx, p, plan, true);
                 }
             }
         }
@@ -449,7 +450,7 @@ impl<'a> Worker<'a> {
             }
             DeferredOutcome::Error(e) => self.reply(idx, p, -e.raw(), 0),
             DeferredOutcome::Read(plan) if plan_fits(&plan, room) => {
-                self.start_read(idx, p, &plan, false)
+                self.start_read(idx, p, plan, false)
             }
             DeferredOutcome::Read(plan) => {
                 log::error!("deferred read plan {plan:?} does not fit the buffer");
@@ -458,7 +459,8 @@ impl<'a> Worker<'a> {
         }
     }
 
-    fn start_read(&mut self, idx: usize, p: Pending, plan: &ReadPlan, short_is_eof: bool) {
+    fn start_read(&mut self, idx: usize, p: Pending, mut plan: ReadPlan, short_is_eof: bool) {
+        self.holds[idx] = plan.hold.take();
         let (mut outstanding, mut error, mut want, mut pos) = (0u32, 0i32, 0usize, 0usize);
         for seg in &plan.segments {
             match *seg {
@@ -568,6 +570,7 @@ impl<'a> Worker<'a> {
         len: usize,
         short_is_eof: bool,
     ) {
+        self.holds[idx] = None;
         if error < 0 {
             return self.reply(idx, p, error, 0);
         }

@@ -413,10 +413,11 @@ impl<'a> Worker<'a> {
                     }],
                     skip: 0,
                     len: len.min(e.payload.len()),
+                    hold: None,
                 };
-                self.start_read(idx, p, &plan, true);
+                self.start_read(idx, p, plan, true);
             }
-            Reply::Read(plan) => self.start_read(idx, p, &plan, false),
+            Reply::Read(plan) => self.start_read(idx, p, plan, false),
             Reply::Write(plan) => self.start_write(idx, p, plan),
         }
     }
@@ -442,7 +443,7 @@ impl<'a> Worker<'a> {
             }
             DeferredOutcome::Error(err) => self.reply(idx, p, -err.raw(), 0),
             DeferredOutcome::Read(plan) if plan_fits(&plan, e.payload.len()) => {
-                self.start_read(idx, p, &plan, false)
+                self.start_read(idx, p, plan, false)
             }
             DeferredOutcome::Read(plan) => {
                 log::error!("deferred read plan {plan:?} does not fit the payload");
@@ -452,7 +453,8 @@ impl<'a> Worker<'a> {
     }
 
     /// Reads a READ reply's device segments into the payload with io_uring READs.
-    fn start_read(&mut self, idx: usize, p: Pending, plan: &ReadPlan, short_is_eof: bool) {
+    fn start_read(&mut self, idx: usize, p: Pending, mut plan: ReadPlan, short_is_eof: bool) {
+        self.holds[idx] = plan.hold.take();
         let e = &mut self.entries[idx];
         let mut progress = IoProgress {
             outstanding: 0,
