@@ -2775,6 +2775,9 @@ impl Handler for EtcFs {
             c.push((format!("etcd_txns_with_mutations_{name}"), n));
         }
         c.extend(self.inner.caches.counters());
+        let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
+        c.push(("own_revisions_forgotten".into(), forgotten));
+        c.push(("own_revisions_waited_out".into(), waited_out));
         c
     }
 

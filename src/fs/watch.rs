@@ -39,6 +39,7 @@ use meta::{
     error::KvError,
     keys::KeyKind,
     kv::{EventKind, WatchEvent},
+    pipeline::Origin,
     types::Revision,
 };
 
@@ -53,6 +54,10 @@ const POLL: Duration = Duration::from_millis(200);
 /// Waits between attempts to re-establish a broken watch.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long after sending a commit its response may trail its watch event: until then
+/// the event waits to learn whether the commit was ours. Normally both arrive within
+/// microseconds; past it the change counts as another node's and the kernel is told.
+const OWN_WAIT: Duration = Duration::from_secs(2);
 
 pub(super) fn start(inner: &Arc<Inner>) -> std::io::Result<JoinHandle<()>> {
     let weak = Arc::downgrade(inner);
@@ -149,67 +154,108 @@ fn run(weak: &Weak<Inner>) {
 
 /// Applies one batch of events in revision order, then tells the kernel.
 fn apply(i: &Inner, batch: &[WatchEvent]) {
-    let keys = i.meta.keys();
     let mut kernel: Vec<Kernel> = Vec::new();
-    let mut current = None;
-    for ev in batch {
-        let rev = ev.kv.mod_revision;
-        if current != Some(rev) {
-            if let Some(r) = current {
-                i.caches.end(r);
-            }
-            i.caches.begin(rev);
-            current = Some(rev);
+    let mut rest = batch;
+    while let Some(first) = rest.first() {
+        let rev = first.kv.mod_revision;
+        let n = rest
+            .iter()
+            .position(|e| e.kv.mod_revision != rev)
+            .unwrap_or(rest.len());
+        let (events, tail) = rest.split_at(n);
+        rest = tail;
+        let origin = i.meta.own_commits().classify(rev, OWN_WAIT);
+        if let Origin::Own { .. } = origin {
+            i.caches
+                .n
+                .watch_revisions_own
+                .fetch_add(1, Ordering::Relaxed);
         }
-        let put = ev.kind == EventKind::Put;
-        match keys.parse(&ev.kv.key) {
-            Some(KeyKind::Inode(ino)) => {
-                let attr = if put {
-                    decode_at::<InodeAttr>(keys, &ev.kv.key, &ev.kv.value).ok()
-                } else {
-                    None
-                };
-                let e = Event::Inode {
-                    ino: ino.0,
-                    attr: attr.clone(),
-                    deleted: !put,
-                };
-                if let Some(k) = i.caches.event(rev, &e) {
-                    kernel.push(refine_inode(i, k, attr.as_ref()));
-                }
-            }
-            Some(KeyKind::Dentry(parent, name)) => {
-                let new = if put {
-                    match decode_at::<Dentry>(keys, &ev.kv.key, &ev.kv.value) {
-                        Ok(d) => Some(d),
-                        Err(e) => {
-                            log::error!("cache watch: {e}");
-                            i.caches.forget_name(parent.0, &name);
-                            kernel.push(Kernel::InvalEntry {
-                                parent: parent.0,
-                                name,
-                            });
-                            continue;
-                        }
-                    }
-                } else {
-                    None
-                };
-                let e = Event::Dentry {
-                    parent: parent.0,
-                    name,
-                    new,
-                };
-                kernel.extend(i.caches.event(rev, &e));
-            }
-            Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
-            _ => {}
+        i.caches.begin(rev);
+        let from = kernel.len();
+        for ev in events {
+            apply_event(i, rev, ev, &mut kernel);
         }
-    }
-    if let Some(r) = current {
-        i.caches.end(r);
+        i.caches.end(rev);
+        if let Origin::Own { unreplied } = origin {
+            let before = kernel.len() - from;
+            let own: Vec<Kernel> = kernel
+                .drain(from..)
+                .filter_map(|k| own_kernel(k, &unreplied))
+                .collect();
+            i.caches
+                .n
+                .kernel_skipped_own
+                .fetch_add((before - own.len()) as u64, Ordering::Relaxed);
+            kernel.extend(own);
+        }
     }
     notify(i, kernel);
+}
+
+/// What the kernel still needs of this node's own commit. It learnt every name change
+/// from our reply (create, link, unlink, rename), and every attribute change either from
+/// the reply (create, link, setattr) or by dropping the attributes itself (the parents of
+/// a namespace change, a written or unlinked file); nor do our own writes leave it stale
+/// data. What nobody was answered for are the coalesced timestamp writes, whose times our
+/// answers showed early but which an evicted pending time may have missed: those
+/// attributes are dropped (never data: only times moved).
+fn own_kernel(k: Kernel, unreplied: &[u64]) -> Option<Kernel> {
+    match k {
+        Kernel::InvalInode { ino, .. } if unreplied.contains(&ino) => {
+            Some(Kernel::InvalInode { ino, data: false })
+        }
+        _ => None,
+    }
+}
+
+/// Applies one event to the daemon's caches; what the kernel must drop goes to `kernel`.
+fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
+    let keys = i.meta.keys();
+    let put = ev.kind == EventKind::Put;
+    match keys.parse(&ev.kv.key) {
+        Some(KeyKind::Inode(ino)) => {
+            let attr = if put {
+                decode_at::<InodeAttr>(keys, &ev.kv.key, &ev.kv.value).ok()
+            } else {
+                None
+            };
+            let e = Event::Inode {
+                ino: ino.0,
+                attr: attr.clone(),
+                deleted: !put,
+            };
+            if let Some(k) = i.caches.event(rev, &e) {
+                kernel.push(refine_inode(i, k, attr.as_ref()));
+            }
+        }
+        Some(KeyKind::Dentry(parent, name)) => {
+            let new = if put {
+                match decode_at::<Dentry>(keys, &ev.kv.key, &ev.kv.value) {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        log::error!("cache watch: {e}");
+                        i.caches.forget_name(parent.0, &name);
+                        kernel.push(Kernel::InvalEntry {
+                            parent: parent.0,
+                            name,
+                        });
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
+            let e = Event::Dentry {
+                parent: parent.0,
+                name,
+                new,
+            };
+            kernel.extend(i.caches.event(rev, &e));
+        }
+        Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
+        _ => {}
+    }
 }
 
 /// An inode event of a file open here whose state already equals the new attributes is
@@ -258,9 +304,24 @@ fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
     }
 }
 
+/// Sends the notifications (the counters count them even before the session runs, when
+/// there is no kernel to tell: unit tests read them).
 fn notify(i: &Inner, kernel: Vec<Kernel>) {
     if kernel.is_empty() {
         return;
+    }
+    let c = &i.caches.n;
+    for k in &kernel {
+        match k {
+            Kernel::InvalEntry { .. } => &c.kernel_inval_entry,
+            Kernel::Delete { .. } => &c.kernel_delete,
+            Kernel::InvalInode { data: false, .. } => &c.kernel_inval_inode,
+            Kernel::InvalInode { data: true, .. } => {
+                c.kernel_inval_inode.fetch_add(1, Ordering::Relaxed);
+                &c.kernel_inval_data
+            }
+        }
+        .fetch_add(1, Ordering::Relaxed);
     }
     let Some(n) = super::lock(&i.notifier)
         .clone()
@@ -268,32 +329,19 @@ fn notify(i: &Inner, kernel: Vec<Kernel>) {
     else {
         return;
     };
-    let c = &i.caches.n;
     for k in kernel {
         let r = match &k {
-            Kernel::InvalEntry { parent, name } => {
-                c.kernel_inval_entry.fetch_add(1, Ordering::Relaxed);
-                n.inval_entry(*parent, name)
-            }
+            Kernel::InvalEntry { parent, name } => n.inval_entry(*parent, name),
+            // DELETE fails when the kernel's entry points elsewhere; drop it anyway.
             Kernel::Delete {
                 parent,
                 child,
                 name,
-            } => {
-                c.kernel_delete.fetch_add(1, Ordering::Relaxed);
-                // DELETE fails when the kernel's entry points elsewhere; drop it anyway.
-                n.delete(*parent, *child, name)
-                    .or_else(|_| n.inval_entry(*parent, name))
-            }
-            Kernel::InvalInode { ino, data } => {
-                c.kernel_inval_inode.fetch_add(1, Ordering::Relaxed);
-                if *data {
-                    c.kernel_inval_data.fetch_add(1, Ordering::Relaxed);
-                    n.inval_inode(*ino, 0, 0)
-                } else {
-                    n.inval_inode(*ino, -1, 0)
-                }
-            }
+            } => n
+                .delete(*parent, *child, name)
+                .or_else(|_| n.inval_entry(*parent, name)),
+            Kernel::InvalInode { ino, data: true } => n.inval_inode(*ino, 0, 0),
+            Kernel::InvalInode { ino, data: false } => n.inval_inode(*ino, -1, 0),
         };
         if let Err(e) = r {
             log::debug!("kernel invalidation {k:?}: {e}");
