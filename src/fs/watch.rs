@@ -84,6 +84,11 @@ fn run(weak: &Weak<Inner>) {
     // The last revision applied, to resume after; None: start from now.
     let mut resume: Option<i64> = None;
     let mut backoff = RETRY_MIN;
+    // What the kernel may hold from before a break (named when the caches were dropped for
+    // the resume), until the resumed watch proves its history is there (its first batch).
+    let mut unconfirmed: Vec<Kernel> = Vec::new();
+    // After a compaction: what to drop in the kernel once the next watch has started.
+    let mut owed: Vec<Kernel> = Vec::new();
     loop {
         if stopping(weak) {
             return;
@@ -102,9 +107,15 @@ fn run(weak: &Weak<Inner>) {
         let from = resume.map_or(now + 1, |a| a + 1);
         let w = i.meta.watch_prefix(Revision(from));
         if resume.is_some() {
-            i.caches.drop_all();
+            let named = i.caches.drop_all_named();
+            merge(&mut unconfirmed, named, i.caches.named_max());
         }
         i.caches.go_live(now);
+        if !owed.is_empty() {
+            // Only now: the watch covers every change after `now`, and any the kernel
+            // re-reads after these are at least that new.
+            notify(&i, std::mem::take(&mut owed));
+        }
         drop(i);
         let end = loop {
             match w.next(POLL) {
@@ -115,6 +126,7 @@ fn run(weak: &Weak<Inner>) {
                 }
                 Ok(Some(batch)) => {
                     let Some(i) = weak.upgrade() else { return };
+                    unconfirmed = Vec::new();
                     apply(&i, &batch);
                     backoff = RETRY_MIN;
                 }
@@ -130,11 +142,13 @@ fn run(weak: &Weak<Inner>) {
             KvError::Compacted { compact_revision } => {
                 log::warn!(
                     "cache watch: history compacted (at {compact_revision}) past revision {}; \
-                     dropping every cache",
+                     dropping every cache and the kernel's entries of what they held",
                     i.caches.applied()
                 );
                 i.caches.n.watch_resyncs.fetch_add(1, Ordering::Relaxed);
-                i.caches.drop_all();
+                let max = i.caches.named_max();
+                owed = std::mem::take(&mut unconfirmed);
+                merge(&mut owed, i.caches.drop_all_named(), max);
                 resume = None;
             }
             e => {
@@ -150,6 +164,19 @@ fn run(weak: &Weak<Inner>) {
             }
         }
     }
+}
+
+/// Adds `more` to `into` without duplicates, keeping at most `max` (best effort: the
+/// kernel's timeouts bound what is left out).
+fn merge(into: &mut Vec<Kernel>, more: Vec<Kernel>, max: usize) {
+    let mut seen: std::collections::HashSet<Kernel> = into.drain(..).collect();
+    for k in more {
+        if seen.len() >= max {
+            break;
+        }
+        seen.insert(k);
+    }
+    into.extend(seen);
 }
 
 /// Applies one batch of events in revision order, then tells the kernel.
