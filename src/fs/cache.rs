@@ -31,8 +31,10 @@
 //! commit revision and marked as our own, unless the watch has already started a later
 //! revision (then the watch has applied them, or something newer). When the watch later
 //! delivers that same revision, the mark tells it the kernel already knows: no
-//! invalidation is sent. Everything else the watch reports is invalidated in the kernel
-//! too ([`Kernel`]).
+//! invalidation is sent. The watch mostly knows that from the revision itself (the
+//! pipeline records its commits' revisions; `super::watch`); the marks cover what that
+//! record cannot vouch for. Everything else the watch reports is invalidated in the
+//! kernel too ([`Kernel`]).
 
 use std::{
     collections::{HashMap, VecDeque},

@@ -1,6 +1,6 @@
 //! The invalidation thread: one etcd watch over the filesystem's prefix keeps the daemon's
-//! caches ([`super::cache`]) and the kernel's coherent with every change, this node's own
-//! and other nodes'.
+//! caches ([`super::cache`]) coherent with every change, this node's own and other nodes',
+//! and tells the kernel about the changes it did not learn from our replies.
 //!
 //! * `D<parent><name>` put: the name set and entry are updated, and the kernel drops its
 //!   entry of the name (INVAL_ENTRY), so a negative entry it cached dies at once.
@@ -9,20 +9,47 @@
 //!   attributes (INVAL_INODE), and its cached data when size or mtime moved (or when we
 //!   cannot tell).
 //! * `E<ino><off>` of a file open here: a cached extent map that does not already hold
-//!   the change (another node wrote) is dropped and re-read on the next access.
+//!   the change (another node wrote) is dropped and re-read on the next access. The
+//!   kernel is not told (other nodes' data reaches it through INVAL_INODE above).
 //!
-//! A change this node made itself is recognised by its revision (the caches hold it,
-//! marked as ours, at exactly that revision, or the open file's state equals it); the
-//! kernel learnt of it from our reply, so nothing is sent. When unsure, we invalidate.
+//! # This node's own commits
 //!
-//! Restarts: when the watch breaks (etcd unreachable, stream ended) the caches stop
-//! answering, and the watch is re-established from the revision after the last one
-//! applied. The daemon's caches are dropped (refilling is cheap and obviously right),
-//! while the replayed events still reach the kernel one by one, so the kernel misses
-//! nothing. When that history is compacted away, the missed changes cannot be named: the
-//! daemon's caches are dropped and the kernel keeps what it has until its timeouts
-//! (`--entry-timeout`, `--negative-timeout`, `--attr-timeout`) expire; that bound is the
-//! price of not having a "drop every entry" notification.
+//! Each revision is first classified with the pipeline's record of this node's commits
+//! ([`meta::pipeline::OwnCommits`]; it waits for a commit whose response trails its
+//! event, up to [`OWN_WAIT`]). A revision of our own updates the daemon's caches like any
+//! other but tells the kernel nothing, because the kernel learnt of it already: every name
+//! change (create, mkdir, link, symlink, unlink, rmdir, rename) from our reply; every
+//! attribute change from the reply (create, link, setattr, truncate) or by dropping the
+//! attributes itself (the parents of a namespace change, a written file, an unlinked one);
+//! its page cache holds our own writes. The exception is a coalesced timestamp write (the
+//! pipeline's `Touch`, up to a second after the change), which answers nobody: our answers
+//! showed those times early (`Caches::apply_times`), but that record is bounded, so the
+//! inode's attributes (never its data) are dropped. Orphan reclaims, free maps, inode
+//! number reservations and session keys need nothing from the kernel. When the record
+//! cannot say (an unknown commit result, a response later than [`OWN_WAIT`], the record
+//! overflowed), the caches' marks of our own values still catch most; otherwise the
+//! change is reported like another node's: when unsure, we invalidate.
+//!
+//! Skipping our own changes is what keeps the kernel's directory locks free of
+//! notifications under a create load, and what lets a daemon killed with SIGKILL exit: a
+//! notification about a name waits, uninterruptibly, for the directory's lock, which a
+//! request to this daemon may hold; a killed daemon with a thread stuck there never closes
+//! /dev/fuse, so the connection is never aborted and that request never ends. Another
+//! node's change to a directory in which a request to this daemon is in flight can still
+//! do that (a kill in that window; see README, "When a daemon dies").
+//!
+//! # Restarts
+//!
+//! When the watch breaks (etcd unreachable, stream ended) the caches stop answering, and
+//! the watch is re-established from the revision after the last one applied. The daemon's
+//! caches are dropped (refilling is cheap and obviously right), while the replayed events
+//! still reach the kernel one by one, so the kernel misses nothing. When that history is
+//! compacted away, the missed changes cannot be named: the daemon's caches are dropped and
+//! the kernel is told to drop every entry and inode those caches held (the ones it most
+//! likely learnt from us, bounded by the cache sizes), sent once the next watch has
+//! started; anything else it holds stays until its timeouts (`--entry-timeout`,
+//! `--negative-timeout`, `--attr-timeout`) expire, the price of not having a "drop every
+//! entry" notification.
 //!
 //! Notifications are sent from this thread only, with no lock held: the kernel may hold
 //! a directory lock while it waits for our reply to a request, and a notification waits
