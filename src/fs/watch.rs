@@ -35,8 +35,9 @@
 //! notification about a name waits, uninterruptibly, for the directory's lock, which a
 //! request to this daemon may hold; a killed daemon with a thread stuck there never closes
 //! /dev/fuse, so the connection is never aborted and that request never ends. Another
-//! node's change to a directory in which a request to this daemon is in flight can still
-//! do that (a kill in that window; see README, "When a daemon dies").
+//! node's change to a directory in which requests to this daemon are in flight still does
+//! that (see README, "When a daemon dies"): the kernel takes the lock uninterruptibly and
+//! a create holds it across its round trip to us, so no check here can close the window.
 //!
 //! # Restarts
 //!
