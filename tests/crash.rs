@@ -10,7 +10,7 @@
 //!
 //! A killed daemon that has not died 3 s after SIGKILL gets its FUSE connection aborted
 //! through fusectl (`common::Daemon::crash`), so these tests cannot hang; that it happens
-//! at all is a bug, checked by `known_bug_killed_daemon_exits_by_itself`.
+//! at all is a bug, checked by `killed_daemon_exits_by_itself`.
 //!
 //! Needs root, `/dev/fuse` and `ETCD_ENDPOINTS` (see `common`); skips loudly otherwise,
 //! and fails instead when `ETCFS_REQUIRE_MOUNT_TESTS=1`.
@@ -300,22 +300,28 @@ fn kill9_during_writes_leaves_a_consistent_filesystem() {
     ));
 }
 
-/// KNOWN BUG (etcfs): a daemon killed with SIGKILL while applications create files in a
-/// directory can fail to die: its cache-invalidation thread sits in the kernel
+/// A daemon killed with SIGKILL while applications create files in a directory dies by
+/// itself. It used to fail to: its cache-invalidation thread sat in the kernel
 /// (`fuse_reverse_inval_entry`, uninterruptible) waiting for the lock of that directory,
-/// which an application holds while it waits for the dead daemon's answer to CREATE. The
-/// half-dead process keeps /dev/fuse open, so the connection is never aborted and every
-/// process that touches the directory hangs unkillably until someone writes to
-/// /sys/fs/fuse/connections/N/abort. Kills under a create load, several times; each time
-/// the daemon must be gone within 3 s without help.
+/// which an application held while it waited for the dead daemon's answer to CREATE, and
+/// the half-dead process kept /dev/fuse open, so the connection was never aborted. The
+/// daemon no longer notifies the kernel of its own commits (recognised by revision), so
+/// with one node nothing waits for a directory lock. Kills under a create load, several
+/// times, at times spread over the coalesced-timestamp interval (those writes are still
+/// reported, as INVAL_INODE, which takes no directory lock); each time the daemon must be
+/// gone within 3 s without help.
+///
+/// Another node's change to a directory in which requests are in flight here still makes
+/// a killed daemon wait in `fuse_reverse_inval_entry` (see README, 'When a daemon dies'):
+/// with a second mount creating in the same directory, 5 kills in 6 hung. Not exercised
+/// here: there is no fix from userspace (the kernel takes the directory lock
+/// uninterruptibly, and creates hold it across the round trip to us).
 #[test]
-#[ignore = "known bug: a SIGKILLed daemon can hang in fuse_reverse_inval_entry (see README, \
-            'When a daemon dies'); run with --ignored"]
-fn known_bug_killed_daemon_exits_by_itself() {
-    let Some(fs) = TestFs::new_or_skip("known_bug_killed_daemon_exits_by_itself", None) else {
+fn killed_daemon_exits_by_itself() {
+    let Some(fs) = TestFs::new_or_skip("killed_daemon_exits_by_itself", None) else {
         return;
     };
-    const ROUNDS: usize = 6;
+    const ROUNDS: usize = 8;
     let mut stuck = Vec::new();
     for round in 0..ROUNDS {
         let m = fs.mount("auto", &[]);
@@ -340,7 +346,10 @@ fn known_bug_killed_daemon_exits_by_itself() {
             })
             .collect();
         let start = Instant::now();
-        while ops.load(Ordering::Relaxed) < 200 && start.elapsed() < Duration::from_secs(10) {
+        let at_least = Duration::from_millis(300 * round as u64);
+        while (ops.load(Ordering::Relaxed) < 200 || start.elapsed() < at_least)
+            && start.elapsed() < Duration::from_secs(10)
+        {
             thread::sleep(Duration::from_millis(5));
         }
         if !m.crash() {

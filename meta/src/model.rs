@@ -76,6 +76,8 @@ struct State {
     next_lease: i64,
     log: Vec<WatchEvent>,
     watchers: Vec<Watcher>,
+    /// Watches end and new ones fail with `Unavailable` (a client cut off from etcd).
+    watches_refused: bool,
     faults: Faults,
     rng: u64,
     txns: u64,
@@ -106,6 +108,7 @@ impl MemEtcd {
                 next_lease: 0x7e57_0000,
                 log: Vec::new(),
                 watchers: Vec::new(),
+                watches_refused: false,
                 faults: Faults::default(),
                 rng: 0x9e37_79b9_7f4a_7c15,
                 txns: 0,
@@ -126,6 +129,16 @@ impl MemEtcd {
         let mut s = self.lock();
         s.rng = faults.seed | 1;
         s.faults = faults;
+    }
+
+    /// Ends every watch and refuses new ones (`true`) until called with `false`, as a
+    /// watcher cut off from etcd sees it while others keep committing.
+    pub fn set_watches_refused(&self, refused: bool) {
+        let mut s = self.lock();
+        s.watches_refused = refused;
+        if refused {
+            s.watchers.clear();
+        }
     }
 
     /// The current store revision.
@@ -554,6 +567,9 @@ impl KvBackend for MemEtcd {
             } else {
                 start_revision
             };
+            if s.watches_refused {
+                return Err(KvError::Unavailable("watches refused (model)".into()));
+            }
             if start <= s.compact_rev {
                 return Err(KvError::Compacted {
                     compact_revision: s.compact_rev,

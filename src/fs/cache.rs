@@ -31,8 +31,10 @@
 //! commit revision and marked as our own, unless the watch has already started a later
 //! revision (then the watch has applied them, or something newer). When the watch later
 //! delivers that same revision, the mark tells it the kernel already knows: no
-//! invalidation is sent. Everything else the watch reports is invalidated in the kernel
-//! too ([`Kernel`]).
+//! invalidation is sent. The watch mostly knows that from the revision itself (the
+//! pipeline records its commits' revisions; `super::watch`); the marks cover what that
+//! record cannot vouch for. Everything else the watch reports is invalidated in the
+//! kernel too ([`Kernel`]).
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -154,7 +156,7 @@ pub(crate) enum Event {
 }
 
 /// What the kernel must be told after an event.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Kernel {
     /// Drop the entry (positive or negative) of `name` in `parent`.
     InvalEntry { parent: u64, name: Vec<u8> },
@@ -262,6 +264,8 @@ pub(crate) struct MissCounters {
     pub lookups_etcd: AtomicU64,
     pub watch_events: AtomicU64,
     pub watch_events_own: AtomicU64,
+    pub watch_revisions_own: AtomicU64,
+    pub kernel_skipped_own: AtomicU64,
     pub watch_restarts: AtomicU64,
     pub watch_resyncs: AtomicU64,
     pub kernel_inval_entry: AtomicU64,
@@ -677,18 +681,52 @@ impl Caches {
         self.live.store(false, Ordering::Release);
     }
 
-    /// History was compacted past what the watch applied: drop everything.
-    pub(crate) fn drop_all(&self) {
+    /// The watch stopped applying events (history compacted, or restarting): drop
+    /// everything, and name what the kernel most likely holds from what was dropped (it
+    /// learnt those entries and attributes from answers these caches gave): every name
+    /// cached, present or absent, in a name set or on its own, and every inode whose
+    /// attributes were cached (with its data, for a regular file: nobody knows what
+    /// changed). At most [`Caches::named_max`] items, possibly repeated.
+    pub(crate) fn drop_all_named(&self) -> Vec<Kernel> {
+        let mut named = Vec::new();
         let mut log = self.log();
         self.live.store(false, Ordering::Release);
         log.events.clear();
         log.floor = None;
         drop(log);
-        self.inodes.each(|s| s.c.clear());
+        self.inodes.each(|s| {
+            named.extend(s.c.iter().map(|(&ino, v)| Kernel::InvalInode {
+                ino,
+                data: v.val.kind == meta::types::FileType::Regular,
+            }));
+            s.c.clear();
+        });
         self.blocks_gen.fetch_add(1, Ordering::AcqRel);
         self.blocks.each(|s| s.c.clear());
-        self.dentries.each(|s| s.c.clear());
-        self.dirs.each(|s| s.c.clear());
+        self.dentries.each(|s| {
+            named.extend(s.c.iter().map(|((parent, name), _)| Kernel::InvalEntry {
+                parent: *parent,
+                name: name.clone(),
+            }));
+            s.c.clear();
+        });
+        self.dirs.each(|s| {
+            for (&parent, set) in s.c.iter() {
+                if let DirSet::Names(set) = set {
+                    named.extend(set.names.keys().map(|name| Kernel::InvalEntry {
+                        parent,
+                        name: name.clone(),
+                    }));
+                }
+            }
+            s.c.clear();
+        });
+        named
+    }
+
+    /// The most [`Caches::drop_all_named`] returns: every cache full.
+    pub(crate) fn named_max(&self) -> usize {
+        self.cfg.inode_cache_max + self.cfg.dentry_cache_max + self.cfg.dir_names_cache_max
     }
 
     /// Applies one watch event of the batch at `rev`; returns what the kernel must drop.
@@ -847,6 +885,8 @@ impl Caches {
             ("lookups_etcd".into(), l(&n.lookups_etcd)),
             ("watch_events_applied".into(), l(&n.watch_events)),
             ("watch_events_own".into(), l(&n.watch_events_own)),
+            ("watch_revisions_own".into(), l(&n.watch_revisions_own)),
+            ("kernel_skipped_own".into(), l(&n.kernel_skipped_own)),
             ("watch_restarts".into(), l(&n.watch_restarts)),
             ("watch_resyncs".into(), l(&n.watch_resyncs)),
             ("watch_revision".into(), self.applied().max(0) as u64),
@@ -1094,7 +1134,8 @@ mod tests {
         assert_eq!(c.lookup(1, b"a"), Lookup::Unknown { too_big: false });
         c.go_live(10);
         assert_eq!(c.lookup(1, b"a"), Lookup::Absent);
-        c.drop_all();
+        let named = c.drop_all_named();
+        assert_eq!(named, [], "nothing was cached");
         c.go_live(20);
         assert_eq!(c.lookup(1, b"a"), Lookup::Unknown { too_big: false });
         c.fill_dir(1, [], 15);
@@ -1103,6 +1144,42 @@ mod tests {
             Lookup::Unknown { too_big: false },
             "read before the resync"
         );
+    }
+
+    #[test]
+    fn dropping_everything_names_what_the_kernel_may_hold() {
+        let c = live(1024);
+        c.fill_attr(&attr(7, 0), 10);
+        let mut dir = attr(8, 0);
+        dir.kind = FileType::Directory;
+        c.fill_attr(&dir, 10);
+        c.fill_dentry(1, b"absent", None, 10);
+        c.fill_dentry(1, b"x", Some(de(7)), 10);
+        c.fill_dir(8, [(b"a".to_vec(), de(9)), (b"b".to_vec(), de(10))], 10);
+        let mut named = c.drop_all_named();
+        named.sort_by_key(|k| format!("{k:?}"));
+        let entry = |parent, name: &[u8]| Kernel::InvalEntry {
+            parent,
+            name: name.to_vec(),
+        };
+        let mut want = vec![
+            Kernel::InvalInode { ino: 7, data: true },
+            Kernel::InvalInode {
+                ino: 8,
+                data: false,
+            },
+            entry(1, b"absent"),
+            entry(1, b"x"),
+            entry(8, b"a"),
+            entry(8, b"b"),
+        ];
+        want.sort_by_key(|k| format!("{k:?}"));
+        assert_eq!(named, want);
+        assert!(named.len() <= c.named_max());
+        c.go_live(20);
+        assert_eq!(c.attr(7), None);
+        assert_eq!(c.lookup(8, b"a"), Lookup::Unknown { too_big: false });
+        assert_eq!(c.drop_all_named(), []);
     }
 
     #[test]

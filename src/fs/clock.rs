@@ -117,6 +117,11 @@ impl<K: Hash + Eq + Clone, V> ClockCache<K, V> {
         self.weight = 0;
     }
 
+    /// Every entry, in no particular order (not marked used).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.slots.iter().map(|s| (&s.key, &s.val))
+    }
+
     /// Entries held.
     pub(crate) fn len(&self) -> usize {
         self.slots.len()

@@ -2913,6 +2913,9 @@ impl Handler for EtcFs {
         ] {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }
+        let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
+        c.push(("own_revisions_forgotten".into(), forgotten));
+        c.push(("own_revisions_waited_out".into(), waited_out));
         c
     }
 

@@ -1020,3 +1020,118 @@ fn a_directory_over_the_name_set_limit_is_looked_up_name_by_name() {
         assert_eq!(fx.lookup(d, format!("g{i}").as_bytes()).nodeid, 0);
     }
 }
+
+/// Waits until `fx`'s watch has applied everything the store holds.
+fn caught_up(fx: &Fx) {
+    let rev = fx.kv.revision();
+    eventually("watch caught up", || {
+        counter(fx, "watch_revision") >= u64::try_from(rev).unwrap_or(0)
+    });
+}
+
+#[test]
+fn own_commits_tell_the_kernel_nothing_other_nodes_commits_do() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    eventually("watch live", || {
+        counter(&a, "watch_live") == 1 && counter(&b, "watch_live") == 1
+    });
+    let d = a.mkdir(ROOT, b"d");
+    let mut files = Vec::new();
+    for i in 0..100 {
+        let (ino, fh) = a.create(d, format!("f{i}").as_bytes());
+        a.release(ino, fh);
+        files.push(ino);
+    }
+    a.ok(
+        d,
+        Operation::Rename {
+            newdir: d,
+            name: b"f0",
+            newname: b"g0",
+            flags: 0,
+        },
+    );
+    a.ok(d, Operation::Unlink { name: b"f1" });
+    a.ok(
+        files[2],
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_MODE,
+            mode: 0o600,
+            ..SetattrIn::default()
+        }),
+    );
+    caught_up(&a);
+    caught_up(&b);
+    let names = |fx: &Fx| counter(fx, "kernel_inval_entry") + counter(fx, "kernel_delete");
+    assert_eq!(names(&a), 0, "own name changes: {:?}", a.fs.counters());
+    assert_eq!(counter(&a, "kernel_inval_data"), 0);
+    assert!(counter(&a, "watch_revisions_own") >= 103);
+    assert!(names(&b) >= 103, "{:?}", b.fs.counters());
+    // The coalesced mtime of d answered nobody: its attributes are dropped (not its data)
+    // once it is written.
+    eventually("timestamp write reported", || {
+        counter(&a, "kernel_inval_inode") >= 1
+    });
+    assert_eq!(counter(&a, "kernel_inval_data"), 0);
+    // And the other way round.
+    let before = names(&a);
+    b.ok(d, Operation::Unlink { name: b"f3" });
+    caught_up(&a);
+    assert_eq!(names(&a), before + 1);
+}
+
+/// Polls `f` for up to `limit`.
+fn within(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < limit {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("{what}: not within {limit:?}");
+}
+
+#[test]
+fn a_compacted_watch_history_drops_the_kernels_entries_of_what_was_cached() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    eventually("watch live", || {
+        counter(&a, "watch_live") == 1 && counter(&b, "watch_live") == 1
+    });
+    // Made on b, looked up on a: a caches d's name set, attributes, and an absence.
+    let d = b.mkdir(ROOT, b"d");
+    let mut files = Vec::new();
+    for i in 0..10 {
+        let (ino, fh) = b.create(d, format!("f{i}").as_bytes());
+        b.release(ino, fh);
+        files.push(ino);
+    }
+    caught_up(&a);
+    for (i, ino) in files.iter().enumerate() {
+        assert_eq!(a.lookup(d, format!("f{i}").as_bytes()).nodeid, *ino);
+        a.getattr(*ino);
+    }
+    assert_eq!(a.lookup(ROOT, b"late").nodeid, 0);
+    let entries = counter(&a, "kernel_inval_entry") + counter(&a, "kernel_delete");
+    let inodes = counter(&a, "kernel_inval_inode");
+    // a's watch is cut off; b changes things and etcd forgets the history.
+    a.kv.set_watches_refused(true);
+    b.ok(d, Operation::Unlink { name: b"f0" });
+    let (late, fh) = b.create(ROOT, b"late");
+    b.release(late, fh);
+    a.kv.compact(a.kv.revision());
+    a.kv.set_watches_refused(false);
+    within("resync", Duration::from_secs(15), || {
+        counter(&a, "watch_resyncs") >= 1 && counter(&a, "watch_live") == 1
+    });
+    // Every name and inode a had cached was named to the kernel (f0..f9 and "late" at
+    // least; the absence of "late" came from the root's name set).
+    let named = counter(&a, "kernel_inval_entry") + counter(&a, "kernel_delete") - entries;
+    assert!(named >= 11, "{named}: {:?}", a.fs.counters());
+    assert!(counter(&a, "kernel_inval_inode") - inodes >= 10);
+    // And the daemon answers from etcd again.
+    assert_eq!(a.lookup(d, b"f0").nodeid, 0);
+    assert_eq!(a.lookup(ROOT, b"late").nodeid, late);
+}

@@ -1,6 +1,6 @@
 //! The invalidation thread: one etcd watch over the filesystem's prefix keeps the daemon's
-//! caches ([`super::cache`]) and the kernel's coherent with every change, this node's own
-//! and other nodes'.
+//! caches ([`super::cache`]) coherent with every change, this node's own and other nodes',
+//! and tells the kernel about the changes it did not learn from our replies.
 //!
 //! * `D<parent><name>` put: the name set and entry are updated, and the kernel drops its
 //!   entry of the name (INVAL_ENTRY), so a negative entry it cached dies at once.
@@ -9,20 +9,48 @@
 //!   attributes (INVAL_INODE), and its cached data when size or mtime moved (or when we
 //!   cannot tell).
 //! * `E<ino><off>` of a file open here: a cached extent map that does not already hold
-//!   the change (another node wrote) is dropped and re-read on the next access.
+//!   the change (another node wrote) is dropped and re-read on the next access. The
+//!   kernel is not told (other nodes' data reaches it through INVAL_INODE above).
 //!
-//! A change this node made itself is recognised by its revision (the caches hold it,
-//! marked as ours, at exactly that revision, or the open file's state equals it); the
-//! kernel learnt of it from our reply, so nothing is sent. When unsure, we invalidate.
+//! # This node's own commits
 //!
-//! Restarts: when the watch breaks (etcd unreachable, stream ended) the caches stop
-//! answering, and the watch is re-established from the revision after the last one
-//! applied. The daemon's caches are dropped (refilling is cheap and obviously right),
-//! while the replayed events still reach the kernel one by one, so the kernel misses
-//! nothing. When that history is compacted away, the missed changes cannot be named: the
-//! daemon's caches are dropped and the kernel keeps what it has until its timeouts
-//! (`--entry-timeout`, `--negative-timeout`, `--attr-timeout`) expire; that bound is the
-//! price of not having a "drop every entry" notification.
+//! Each revision is first classified with the pipeline's record of this node's commits
+//! ([`meta::pipeline::OwnCommits`]; it waits for a commit whose response trails its
+//! event, up to [`OWN_WAIT`]). A revision of our own updates the daemon's caches like any
+//! other but tells the kernel nothing, because the kernel learnt of it already: every name
+//! change (create, mkdir, link, symlink, unlink, rmdir, rename) from our reply; every
+//! attribute change from the reply (create, link, setattr, truncate) or by dropping the
+//! attributes itself (the parents of a namespace change, a written file, an unlinked one);
+//! its page cache holds our own writes. The exception is a coalesced timestamp write (the
+//! pipeline's `Touch`, up to a second after the change), which answers nobody: our answers
+//! showed those times early (`Caches::apply_times`), but that record is bounded, so the
+//! inode's attributes (never its data) are dropped. Orphan reclaims, free maps, inode
+//! number reservations and session keys need nothing from the kernel. When the record
+//! cannot say (an unknown commit result, a response later than [`OWN_WAIT`], the record
+//! overflowed), the caches' marks of our own values still catch most; otherwise the
+//! change is reported like another node's: when unsure, we invalidate.
+//!
+//! Skipping our own changes is what keeps the kernel's directory locks free of
+//! notifications under a create load, and what lets a daemon killed with SIGKILL exit: a
+//! notification about a name waits, uninterruptibly, for the directory's lock, which a
+//! request to this daemon may hold; a killed daemon with a thread stuck there never closes
+//! /dev/fuse, so the connection is never aborted and that request never ends. Another
+//! node's change to a directory in which requests to this daemon are in flight still does
+//! that (see README, "When a daemon dies"): the kernel takes the lock uninterruptibly and
+//! a create holds it across its round trip to us, so no check here can close the window.
+//!
+//! # Restarts
+//!
+//! When the watch breaks (etcd unreachable, stream ended) the caches stop answering, and
+//! the watch is re-established from the revision after the last one applied. The daemon's
+//! caches are dropped (refilling is cheap and obviously right), while the replayed events
+//! still reach the kernel one by one, so the kernel misses nothing. When that history is
+//! compacted away, the missed changes cannot be named: the daemon's caches are dropped and
+//! the kernel is told to drop every entry and inode those caches held (the ones it most
+//! likely learnt from us, bounded by the cache sizes), sent once the next watch has
+//! started; anything else it holds stays until its timeouts (`--entry-timeout`,
+//! `--negative-timeout`, `--attr-timeout`) expire, the price of not having a "drop every
+//! entry" notification.
 //!
 //! Notifications are sent from this thread only, with no lock held: the kernel may hold
 //! a directory lock while it waits for our reply to a request, and a notification waits
@@ -39,6 +67,7 @@ use meta::{
     error::KvError,
     keys::KeyKind,
     kv::{EventKind, WatchEvent},
+    pipeline::Origin,
     types::Revision,
 };
 
@@ -53,6 +82,10 @@ const POLL: Duration = Duration::from_millis(200);
 /// Waits between attempts to re-establish a broken watch.
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long after sending a commit its response may trail its watch event: until then
+/// the event waits to learn whether the commit was ours. Normally both arrive within
+/// microseconds; past it the change counts as another node's and the kernel is told.
+const OWN_WAIT: Duration = Duration::from_secs(2);
 
 pub(super) fn start(inner: &Arc<Inner>) -> std::io::Result<JoinHandle<()>> {
     let weak = Arc::downgrade(inner);
@@ -79,6 +112,11 @@ fn run(weak: &Weak<Inner>) {
     // The last revision applied, to resume after; None: start from now.
     let mut resume: Option<i64> = None;
     let mut backoff = RETRY_MIN;
+    // What the kernel may hold from before a break (named when the caches were dropped for
+    // the resume), until the resumed watch proves its history is there (its first batch).
+    let mut unconfirmed: Vec<Kernel> = Vec::new();
+    // After a compaction: what to drop in the kernel once the next watch has started.
+    let mut owed: Vec<Kernel> = Vec::new();
     loop {
         if stopping(weak) {
             return;
@@ -97,9 +135,15 @@ fn run(weak: &Weak<Inner>) {
         let from = resume.map_or(now + 1, |a| a + 1);
         let w = i.meta.watch_prefix(Revision(from));
         if resume.is_some() {
-            i.caches.drop_all();
+            let named = i.caches.drop_all_named();
+            merge(&mut unconfirmed, named, i.caches.named_max());
         }
         i.caches.go_live(now);
+        if !owed.is_empty() {
+            // Only now: the watch covers every change after `now`, and any the kernel
+            // re-reads after these are at least that new.
+            notify(&i, std::mem::take(&mut owed));
+        }
         drop(i);
         let end = loop {
             match w.next(POLL) {
@@ -110,6 +154,7 @@ fn run(weak: &Weak<Inner>) {
                 }
                 Ok(Some(batch)) => {
                     let Some(i) = weak.upgrade() else { return };
+                    unconfirmed = Vec::new();
                     apply(&i, &batch);
                     backoff = RETRY_MIN;
                 }
@@ -125,11 +170,13 @@ fn run(weak: &Weak<Inner>) {
             KvError::Compacted { compact_revision } => {
                 log::warn!(
                     "cache watch: history compacted (at {compact_revision}) past revision {}; \
-                     dropping every cache",
+                     dropping every cache and the kernel's entries of what they held",
                     i.caches.applied()
                 );
                 i.caches.n.watch_resyncs.fetch_add(1, Ordering::Relaxed);
-                i.caches.drop_all();
+                let max = i.caches.named_max();
+                owed = std::mem::take(&mut unconfirmed);
+                merge(&mut owed, i.caches.drop_all_named(), max);
                 resume = None;
             }
             e => {
@@ -147,69 +194,123 @@ fn run(weak: &Weak<Inner>) {
     }
 }
 
+/// Adds `more` to `into` without duplicates, keeping at most `max` (best effort: the
+/// kernel's timeouts bound what is left out).
+fn merge(into: &mut Vec<Kernel>, more: Vec<Kernel>, max: usize) {
+    let mut seen: std::collections::HashSet<Kernel> = into.drain(..).collect();
+    for k in more {
+        if seen.len() >= max {
+            break;
+        }
+        seen.insert(k);
+    }
+    into.extend(seen);
+}
+
 /// Applies one batch of events in revision order, then tells the kernel.
 fn apply(i: &Inner, batch: &[WatchEvent]) {
-    let keys = i.meta.keys();
     let mut kernel: Vec<Kernel> = Vec::new();
-    let mut current = None;
-    for ev in batch {
-        let rev = ev.kv.mod_revision;
-        if current != Some(rev) {
-            if let Some(r) = current {
-                i.caches.end(r);
-            }
-            i.caches.begin(rev);
-            current = Some(rev);
+    let mut rest = batch;
+    while let Some(first) = rest.first() {
+        let rev = first.kv.mod_revision;
+        let n = rest
+            .iter()
+            .position(|e| e.kv.mod_revision != rev)
+            .unwrap_or(rest.len());
+        let (events, tail) = rest.split_at(n);
+        rest = tail;
+        let origin = i.meta.own_commits().classify(rev, OWN_WAIT);
+        if let Origin::Own { .. } = origin {
+            i.caches
+                .n
+                .watch_revisions_own
+                .fetch_add(1, Ordering::Relaxed);
         }
-        let put = ev.kind == EventKind::Put;
-        match keys.parse(&ev.kv.key) {
-            Some(KeyKind::Inode(ino)) => {
-                let attr = if put {
-                    decode_at::<InodeAttr>(keys, &ev.kv.key, &ev.kv.value).ok()
-                } else {
-                    None
-                };
-                let e = Event::Inode {
-                    ino: ino.0,
-                    attr: attr.clone(),
-                    deleted: !put,
-                };
-                if let Some(k) = i.caches.event(rev, &e) {
-                    kernel.push(refine_inode(i, k, attr.as_ref()));
-                }
-            }
-            Some(KeyKind::Dentry(parent, name)) => {
-                let new = if put {
-                    match decode_at::<Dentry>(keys, &ev.kv.key, &ev.kv.value) {
-                        Ok(d) => Some(d),
-                        Err(e) => {
-                            log::error!("cache watch: {e}");
-                            i.caches.forget_name(parent.0, &name);
-                            kernel.push(Kernel::InvalEntry {
-                                parent: parent.0,
-                                name,
-                            });
-                            continue;
-                        }
-                    }
-                } else {
-                    None
-                };
-                let e = Event::Dentry {
-                    parent: parent.0,
-                    name,
-                    new,
-                };
-                kernel.extend(i.caches.event(rev, &e));
-            }
-            Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
-            _ => {}
+        i.caches.begin(rev);
+        let from = kernel.len();
+        for ev in events {
+            apply_event(i, rev, ev, &mut kernel);
         }
-    }
-    if let Some(r) = current {
-        i.caches.end(r);
+        i.caches.end(rev);
+        if let Origin::Own { unreplied } = origin {
+            let before = kernel.len() - from;
+            let own: Vec<Kernel> = kernel
+                .drain(from..)
+                .filter_map(|k| own_kernel(k, &unreplied))
+                .collect();
+            i.caches
+                .n
+                .kernel_skipped_own
+                .fetch_add((before - own.len()) as u64, Ordering::Relaxed);
+            kernel.extend(own);
+        }
     }
     notify(i, kernel);
+}
+
+/// What the kernel still needs of this node's own commit. It learnt every name change
+/// from our reply (create, link, unlink, rename), and every attribute change either from
+/// the reply (create, link, setattr) or by dropping the attributes itself (the parents of
+/// a namespace change, a written or unlinked file); nor do our own writes leave it stale
+/// data. What nobody was answered for are the coalesced timestamp writes, whose times our
+/// answers showed early but which an evicted pending time may have missed: those
+/// attributes are dropped (never data: only times moved).
+fn own_kernel(k: Kernel, unreplied: &[u64]) -> Option<Kernel> {
+    match k {
+        Kernel::InvalInode { ino, .. } if unreplied.contains(&ino) => {
+            Some(Kernel::InvalInode { ino, data: false })
+        }
+        _ => None,
+    }
+}
+
+/// Applies one event to the daemon's caches; what the kernel must drop goes to `kernel`.
+fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
+    let keys = i.meta.keys();
+    let put = ev.kind == EventKind::Put;
+    match keys.parse(&ev.kv.key) {
+        Some(KeyKind::Inode(ino)) => {
+            let attr = if put {
+                decode_at::<InodeAttr>(keys, &ev.kv.key, &ev.kv.value).ok()
+            } else {
+                None
+            };
+            let e = Event::Inode {
+                ino: ino.0,
+                attr: attr.clone(),
+                deleted: !put,
+            };
+            if let Some(k) = i.caches.event(rev, &e) {
+                kernel.push(refine_inode(i, k, attr.as_ref()));
+            }
+        }
+        Some(KeyKind::Dentry(parent, name)) => {
+            let new = if put {
+                match decode_at::<Dentry>(keys, &ev.kv.key, &ev.kv.value) {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        log::error!("cache watch: {e}");
+                        i.caches.forget_name(parent.0, &name);
+                        kernel.push(Kernel::InvalEntry {
+                            parent: parent.0,
+                            name,
+                        });
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
+            let e = Event::Dentry {
+                parent: parent.0,
+                name,
+                new,
+            };
+            kernel.extend(i.caches.event(rev, &e));
+        }
+        Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
+        _ => {}
+    }
 }
 
 /// An inode event of a file open here whose state already equals the new attributes is
@@ -258,9 +359,24 @@ fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
     }
 }
 
+/// Sends the notifications (the counters count them even before the session runs, when
+/// there is no kernel to tell: unit tests read them).
 fn notify(i: &Inner, kernel: Vec<Kernel>) {
     if kernel.is_empty() {
         return;
+    }
+    let c = &i.caches.n;
+    for k in &kernel {
+        match k {
+            Kernel::InvalEntry { .. } => &c.kernel_inval_entry,
+            Kernel::Delete { .. } => &c.kernel_delete,
+            Kernel::InvalInode { data: false, .. } => &c.kernel_inval_inode,
+            Kernel::InvalInode { data: true, .. } => {
+                c.kernel_inval_inode.fetch_add(1, Ordering::Relaxed);
+                &c.kernel_inval_data
+            }
+        }
+        .fetch_add(1, Ordering::Relaxed);
     }
     let Some(n) = super::lock(&i.notifier)
         .clone()
@@ -268,32 +384,19 @@ fn notify(i: &Inner, kernel: Vec<Kernel>) {
     else {
         return;
     };
-    let c = &i.caches.n;
     for k in kernel {
         let r = match &k {
-            Kernel::InvalEntry { parent, name } => {
-                c.kernel_inval_entry.fetch_add(1, Ordering::Relaxed);
-                n.inval_entry(*parent, name)
-            }
+            Kernel::InvalEntry { parent, name } => n.inval_entry(*parent, name),
+            // DELETE fails when the kernel's entry points elsewhere; drop it anyway.
             Kernel::Delete {
                 parent,
                 child,
                 name,
-            } => {
-                c.kernel_delete.fetch_add(1, Ordering::Relaxed);
-                // DELETE fails when the kernel's entry points elsewhere; drop it anyway.
-                n.delete(*parent, *child, name)
-                    .or_else(|_| n.inval_entry(*parent, name))
-            }
-            Kernel::InvalInode { ino, data } => {
-                c.kernel_inval_inode.fetch_add(1, Ordering::Relaxed);
-                if *data {
-                    c.kernel_inval_data.fetch_add(1, Ordering::Relaxed);
-                    n.inval_inode(*ino, 0, 0)
-                } else {
-                    n.inval_inode(*ino, -1, 0)
-                }
-            }
+            } => n
+                .delete(*parent, *child, name)
+                .or_else(|_| n.inval_entry(*parent, name)),
+            Kernel::InvalInode { ino, data: true } => n.inval_inode(*ino, 0, 0),
+            Kernel::InvalInode { ino, data: false } => n.inval_inode(*ino, -1, 0),
         };
         if let Err(e) = r {
             log::debug!("kernel invalidation {k:?}: {e}");

@@ -17,6 +17,7 @@ use tokio::{sync::Notify, task::JoinSet};
 
 use super::{
     mutation::{Mutation, Outcome},
+    own::{changed_something, OwnCommits},
     plan::{freed_from_kvs, plan, Plan, PlanCtx, Planned, Snapshot, EXTENTS_PER_MUTATION_MAX},
     ticket::Completer,
     Config, Stats,
@@ -203,6 +204,7 @@ pub(crate) struct Committer {
     pub(crate) stats: Arc<Stats>,
     pub(crate) rx: Receiver<Request>,
     pub(crate) notify: Arc<Notify>,
+    pub(crate) own: Arc<OwnCommits>,
     next_id: u64,
     works: BTreeMap<u64, Work>,
     pool: VecDeque<(u64, u64)>,
@@ -227,6 +229,7 @@ impl Committer {
         stats: Arc<Stats>,
         rx: Receiver<Request>,
         notify: Arc<Notify>,
+        own: Arc<OwnCommits>,
     ) -> Self {
         Committer {
             kv,
@@ -237,6 +240,7 @@ impl Committer {
             stats,
             rx,
             notify,
+            own,
             next_id: 1,
             works: BTreeMap::new(),
             pool: VecDeque::new(),
@@ -696,9 +700,26 @@ impl Committer {
         self.stats
             .txns_in_flight
             .store(self.txns_in_flight as u64, Ordering::Relaxed);
-        let kv = self.kv.clone();
+        // Timestamp writes answer nobody: the watch must still tell the kernel of them.
+        let unreplied: Vec<u64> = members
+            .iter()
+            .filter_map(|m| match self.works.get(&m.id).map(|w| &w.m) {
+                Some(Mutation::Touch { ino, .. }) => Some(ino.0),
+                _ => None,
+            })
+            .collect();
+        let (kv, own) = (self.kv.clone(), self.own.clone());
+        let seq = own.sent();
         self.tasks.spawn(async move {
             let result = kv.txn(txn).await;
+            // Recorded here, not when the committer gets to it: the watch may be waiting.
+            match &result {
+                Ok(r) if changed_something(r) => {
+                    own.resolved(seq, Some((r.revision, unreplied)), None);
+                }
+                Ok(r) => own.resolved(seq, None, Some(r.revision)),
+                Err(_) => own.resolved(seq, None, None),
+            }
             TaskDone::Txn {
                 members,
                 failure_reqs,

@@ -4,6 +4,7 @@
 
 pub mod commit;
 pub mod mutation;
+pub mod own;
 pub mod plan;
 pub mod ticket;
 
@@ -24,6 +25,7 @@ use tokio::sync::Notify;
 use self::{commit::Request, ticket::ticket};
 pub use self::{
     mutation::{DevRange, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet, XattrMode},
+    own::{Origin, OwnCommits},
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},
     ticket::Ticket,
 };
@@ -284,6 +286,7 @@ pub struct MetaClient {
     tx: Sender<Request>,
     notify: Arc<Notify>,
     stats: Arc<Stats>,
+    own: Arc<OwnCommits>,
     keys: Keyspace,
     backend: Arc<dyn KvBackend>,
     runtime: tokio::runtime::Handle,
@@ -345,8 +348,10 @@ impl Pipeline {
         let (tx, rx) = bounded(cfg.submit_queue_max);
         let notify = Arc::new(Notify::new());
         let stats = Arc::new(Stats::default());
+        let own = Arc::new(OwnCommits::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let (n2, s2, k2, c2) = (notify.clone(), stats.clone(), keys.clone(), cfg.clone());
+        let o2 = own.clone();
         let thread = std::thread::Builder::new()
             .name("etcfs-meta".into())
             .spawn(move || {
@@ -386,7 +391,7 @@ impl Pipeline {
                     }
                 };
                 let committer =
-                    commit::Committer::new(backend.clone(), k2, clock, id, c2, s2, rx, n2);
+                    commit::Committer::new(backend.clone(), k2, clock, id, c2, s2, rx, n2, o2);
                 let _ = ready_tx.send(Ok((rt.handle().clone(), backend, registered)));
                 rt.block_on(committer.run());
             })
@@ -398,6 +403,7 @@ impl Pipeline {
             tx,
             notify,
             stats,
+            own,
             keys,
             backend: backend.clone(),
             runtime: runtime.clone(),
@@ -509,6 +515,11 @@ impl MetaClient {
     /// The pipeline's counters.
     pub fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
+    }
+
+    /// The revisions of this node's own commits, for a watch on the prefix.
+    pub fn own_commits(&self) -> &Arc<OwnCommits> {
+        &self.own
     }
 
     /// The key space.
