@@ -68,7 +68,7 @@ use meta::{
     kv::{KvBackend, RangeRequest},
     pipeline::{
         Config as PipelineConfig, Connect, MetaClient, Mutation, NewInode, Outcome, Pipeline,
-        RenameMode, SetAttr, TimeSet, XattrMode,
+        RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode,
     },
     session::{Session, SessionConfig},
     types::{FileType, GroupId, Ino, Timespec, XATTR_NAME_LEN_MAX, XATTR_VALUE_LEN_MAX},
@@ -2081,6 +2081,16 @@ impl Inner {
         if dir && name == b".." {
             return Err(Errno::ENOTEMPTY);
         }
+        // What the caches know lets the pipeline commit without reading first; its
+        // compares catch a stale cache and the retry reads etcd.
+        let expect = match self.caches.lookup(parent, name) {
+            Lookup::Found(entry) => Some(Box::new(UnlinkExpect {
+                entry,
+                child: self.caches.attr(entry.ino.0),
+                parent: if dir { self.caches.attr(parent) } else { None },
+            })),
+            Lookup::Absent | Lookup::Unknown { .. } => None,
+        };
         let m = Mutation::Unlink {
             parent: Ino(parent),
             name: name.to_vec(),
@@ -2088,6 +2098,7 @@ impl Inner {
             // Orphan the inode if any file is open here; a file that turns out not to be
             // open is reclaimed right after (see after_commit).
             keep_open: !dir && !self.files.is_empty(),
+            expect,
         };
         self.commit(m)?;
         Ok(Done::Empty)

@@ -84,7 +84,12 @@ fn accesses(p: &Plan) -> Vec<Access> {
                     c.key == put.key
                         && c.range_end.is_none()
                         && c.op == CompareOp::Equal
-                        && matches!(c.target, CompareTarget::ModRevision(r) if r > 0)
+                        && match &c.target {
+                            CompareTarget::ModRevision(r) => *r > 0,
+                            // A value compare fails on an absent key.
+                            CompareTarget::Value(_) => true,
+                            _ => false,
+                        }
                 });
                 out.push(Access {
                     start: put.key.clone(),
@@ -872,6 +877,9 @@ impl Committer {
                 // new consistent view (ranges are re-read at that revision).
                 w.snap.clear();
                 w.snap_rev = resp.revision;
+                // What the submitter expected proved stale (or was not enough): plan from
+                // etcd from now on.
+                w.m.forget_expectation();
                 for c in &m.plan.compares {
                     if c.range_end.is_none() {
                         if let Some(r) = lookup(c) {

@@ -23,7 +23,10 @@ use tokio::sync::Notify;
 
 use self::{commit::Request, ticket::ticket};
 pub use self::{
-    mutation::{DevRange, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet, XattrMode},
+    mutation::{
+        DevRange, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet, UnlinkExpect,
+        XattrMode,
+    },
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},
     ticket::Ticket,
 };

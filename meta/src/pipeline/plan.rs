@@ -19,7 +19,9 @@ use crate::{
     error::MetaError,
     keys::Keyspace,
     kv::{Compare, KeyValue, RangeRequest, RangeResponse, TxnOp},
-    pipeline::mutation::{DevRange, Mutation, Outcome, RenameMode, TimeSet, XattrMode},
+    pipeline::mutation::{
+        DevRange, Mutation, Outcome, RenameMode, TimeSet, UnlinkExpect, XattrMode,
+    },
     types::{name_is_valid, FileType, Ino, SessionId, Timespec, XATTR_NAME_LEN_MAX},
 };
 
@@ -347,7 +349,8 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             name,
             dir,
             keep_open,
-        } => plan_unlink(&mut p, *parent, name, *dir, *keep_open),
+            expect,
+        } => plan_unlink(&mut p, *parent, name, *dir, *keep_open, expect.as_deref()),
         Mutation::Rename {
             src_parent,
             src_name,
@@ -522,46 +525,161 @@ fn plan_link(p: &mut P<'_>, ino: Ino, parent: Ino, name: &[u8]) -> R<()> {
     Ok(())
 }
 
-fn plan_unlink(p: &mut P<'_>, parent: Ino, name: &[u8], dir: bool, keep_open: bool) -> R<()> {
+/// A value the plan relies on and the compare that guards it: read from etcd (guarded by
+/// its mod revision) or taken from the submitter's expectation (guarded by its exact
+/// encoding, and never a reason to fail on its own).
+struct Known<T> {
+    val: T,
+    guard: Compare,
+    expected: bool,
+}
+
+/// Fails with `e` when every input of the decision was read; else asks to read the
+/// expected ones first (a failure must rest on what etcd holds, not on a cache's guess).
+fn fail_verified(e: MetaError, inputs: &[(bool, Vec<u8>)]) -> Stop {
+    let unverified: Vec<RangeRequest> = inputs
+        .iter()
+        .filter(|(expected, _)| *expected)
+        .map(|(_, key)| RangeRequest::key(key.clone()))
+        .collect();
+    if unverified.is_empty() {
+        Stop::Fail(e)
+    } else {
+        Stop::Need(unverified)
+    }
+}
+
+impl<'a> P<'a> {
+    /// The entry `name` in `parent`: as read, else as expected, else `Need`.
+    fn known_dentry(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        expect: Option<&Dentry>,
+    ) -> R<Option<Known<Dentry>>> {
+        let key = self.keys().dentry(parent, name);
+        if let (None, Some(d)) = (self.snap.key(&key), expect) {
+            return Ok(Some(Known {
+                val: *d,
+                guard: Compare::value(key, d.encode()),
+                expected: true,
+            }));
+        }
+        Ok(self.dentry(parent, name)?.map(|(d, rev)| Known {
+            val: d,
+            guard: Compare::mod_rev(key, rev),
+            expected: false,
+        }))
+    }
+
+    /// An inode's attributes: as read, else as expected (if about `ino`), else `Need`.
+    fn known_inode(&self, ino: Ino, expect: Option<&InodeAttr>) -> R<Option<Known<InodeAttr>>> {
+        let key = self.keys().inode(ino);
+        if let (None, Some(a)) = (self.snap.key(&key), expect.filter(|a| a.ino == ino)) {
+            return Ok(Some(Known {
+                val: a.clone(),
+                guard: Compare::value(key, a.encode()),
+                expected: true,
+            }));
+        }
+        Ok(self.inode(ino)?.map(|(a, rev)| Known {
+            val: a,
+            guard: Compare::mod_rev(key, rev),
+            expected: false,
+        }))
+    }
+
+    /// Whether the snapshot or the expectation answers for this inode.
+    fn inode_known(&self, ino: Ino, expect: Option<&InodeAttr>) -> bool {
+        self.snap.key(&self.keys().inode(ino)).is_some() || expect.is_some_and(|a| a.ino == ino)
+    }
+}
+
+/// unlink/rmdir. With a full expectation from the submitter's caches this reads nothing
+/// (one round trip: the commit); without one, it reads the entry, then the child (and
+/// for rmdir the parent and one entry of the child) in a second round.
+fn plan_unlink(
+    p: &mut P<'_>,
+    parent: Ino,
+    name: &[u8],
+    dir: bool,
+    keep_open: bool,
+    expect: Option<&UnlinkExpect>,
+) -> R<()> {
     check_name(name)?;
     let k = p.keys();
-    let (dentry, drev) = p
-        .dentry(parent, name)?
+    let dkey = k.dentry(parent, name);
+    let entry = p
+        .known_dentry(parent, name, expect.map(|e| &e.entry))?
         .ok_or(Stop::Fail(MetaError::NotFound))?;
-    let child = dentry.ino;
-    let (cattr, crev) = p.inode(child)?.ok_or_else(|| {
-        Stop::Fail(MetaError::Corrupt {
-            key: k.describe(&k.dentry(parent, name)),
-            reason: format!("entry points at missing inode {child}"),
-        })
+    let child = entry.val.ino;
+    let (child_exp, parent_exp) = (
+        expect.and_then(|e| e.child.as_ref()),
+        expect.and_then(|e| e.parent.as_ref()),
+    );
+    let entries = k.dentries(child);
+    let probe = RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
+    // Emptiness is proven by the range compare alone when the caller expected the
+    // entry; a failed compare drops the expectation and the retry reads the probe, so a
+    // non-empty directory still ends in NotEmpty.
+    let blind_empty = expect.is_some() && p.snap.range(&probe).is_none();
+    let mut need = Vec::new();
+    if !p.inode_known(child, child_exp) {
+        need.push(RangeRequest::key(k.inode(child)));
+    }
+    if dir && entry.val.kind == FileType::Directory {
+        if !p.inode_known(parent, parent_exp) {
+            need.push(RangeRequest::key(k.inode(parent)));
+        }
+        if !blind_empty {
+            need.push(probe.clone());
+        }
+    }
+    p.need(&need)?;
+    let cattr = p.known_inode(child, child_exp)?.ok_or_else(|| {
+        fail_verified(
+            MetaError::Corrupt {
+                key: k.describe(&dkey),
+                reason: format!("entry points at missing inode {child}"),
+            },
+            &[(entry.expected, dkey.clone())],
+        )
     })?;
-    let is_dir = cattr.kind == FileType::Directory;
+    let inputs = [
+        (entry.expected, dkey.clone()),
+        (cattr.expected, k.inode(child)),
+    ];
+    let is_dir = cattr.val.kind == FileType::Directory;
     match (dir, is_dir) {
-        (true, false) => return Err(Stop::Fail(MetaError::NotDir)),
-        (false, true) => return Err(Stop::Fail(MetaError::IsDir)),
+        (true, false) => return Err(fail_verified(MetaError::NotDir, &inputs)),
+        (false, true) => return Err(fail_verified(MetaError::IsDir, &inputs)),
         _ => {}
     }
-    p.compare(Compare::mod_rev(k.dentry(parent, name), drev));
-    p.compare(Compare::mod_rev(k.inode(child), crev));
-    p.delete(k.dentry(parent, name));
+    p.compare(entry.guard.clone());
+    p.compare(cattr.guard.clone());
+    p.delete(dkey);
     p.plan.outcome.ino = Some(child);
     if is_dir {
-        let entries = k.dentries(child);
-        let probe = RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
-        p.need(&[probe.clone(), RangeRequest::key(k.inode(parent))])?;
-        if !p.range(probe)?.kvs.is_empty() {
-            return Err(Stop::Fail(MetaError::NotEmpty));
+        if !blind_empty {
+            // The probe may be missing when the entry's kind disagreed with the inode's.
+            p.need(std::slice::from_ref(&probe))?;
+            if !p.range(probe)?.kvs.is_empty() {
+                return Err(fail_verified(MetaError::NotEmpty, &inputs));
+            }
         }
-        let (mut pattr, prev) = p.inode(parent)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+        let pattr = p
+            .known_inode(parent, parent_exp)?
+            .ok_or_else(|| fail_verified(MetaError::NotFound, &inputs))?;
         p.compare(Compare::range_empty(entries.start, entries.end));
-        p.compare(Compare::mod_rev(k.inode(parent), prev));
+        p.compare(pattr.guard);
+        let mut pattr = pattr.val;
         pattr.nlink = pattr.nlink.saturating_sub(1).max(2);
         pattr.mtime = p.ctx.now;
         pattr.ctime = p.ctx.now;
         p.put(k.inode(parent), &pattr);
         p.delete_inode_tree(child, FileType::Directory);
     } else {
-        p.drop_link(cattr, keep_open);
+        p.drop_link(cattr.val, keep_open);
         p.plan.touch.push((parent, true));
     }
     Ok(())

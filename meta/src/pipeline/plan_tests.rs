@@ -203,6 +203,7 @@ fn unlink(parent: Ino, name: &str) -> Mutation {
         name: name.into(),
         dir: false,
         keep_open: false,
+        expect: None,
     }
 }
 
@@ -373,6 +374,7 @@ async fn unlink_open_file_leaves_orphan_then_reclaim() {
         name: b"f".to_vec(),
         dir: false,
         keep_open: true,
+        expect: None,
     };
     let o = w.run(m).await.unwrap();
     assert_eq!(o.orphaned, Some(f));
@@ -416,6 +418,7 @@ async fn rmdir_rules() {
         name: name.into(),
         dir: true,
         keep_open: false,
+        expect: None,
     };
     assert_eq!(w.run(rmdir("d")).await.unwrap_err(), MetaError::NotEmpty);
     w.create(Ino::ROOT, "f", FileType::Regular).await;
@@ -833,4 +836,138 @@ async fn lookup(w: &World, n: &str) -> Option<Dentry> {
     crate::reader::lookup(&w.kv, &w.keys, Ino::ROOT, n.as_bytes())
         .await
         .unwrap()
+}
+
+fn unlink_expecting(parent: Ino, name: &str, dir: bool, e: UnlinkExpect) -> Mutation {
+    Mutation::Unlink {
+        parent,
+        name: name.into(),
+        dir,
+        keep_open: false,
+        expect: Some(Box::new(e)),
+    }
+}
+
+#[tokio::test]
+async fn unlink_without_expectation_reads_twice_with_one_reads_nothing() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 4096, 1 << 20).await;
+    let g = w.create(Ino::ROOT, "g", FileType::Regular).await;
+    let (_, rounds) = w.plan(&unlink(Ino::ROOT, "g"), &mut Snapshot::default()).await;
+    assert_eq!(rounds, 2, "entry, then inode");
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: f,
+            kind: FileType::Regular,
+        },
+        child: w.inode(f).await,
+        parent: None,
+    };
+    let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.removed, Some(f));
+    assert_eq!(o.freed.len(), 1);
+    // Only the entry expected: one read (the inode).
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: g,
+            kind: FileType::Regular,
+        },
+        child: None,
+        parent: None,
+    };
+    let (p, rounds) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "g", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert_eq!(rounds, 1);
+    w.apply(&p.unwrap()).await.unwrap();
+}
+
+#[tokio::test]
+async fn stale_unlink_expectations_fail_compares_never_the_mutation() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let old = w.inode(f).await.unwrap();
+    // A link since: the expected attributes (nlink 1) would delete a linked inode.
+    w.run(Mutation::Link {
+        ino: f,
+        parent: Ino::ROOT,
+        name: b"g".to_vec(),
+    })
+    .await
+    .unwrap();
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: f,
+            kind: FileType::Regular,
+        },
+        child: Some(old.clone()),
+        parent: None,
+    };
+    let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err(), "stale nlink caught");
+    assert_eq!(w.inode(f).await.unwrap().nlink, 2);
+    // Wrong kind expected: the IsDir decision waits for what etcd holds.
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    let wrong = UnlinkExpect {
+        entry: Dentry {
+            ino: d,
+            kind: FileType::Directory,
+        },
+        child: w.inode(d).await,
+        parent: None,
+    };
+    let m = unlink_expecting(Ino::ROOT, "f", false, wrong);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert!(rounds >= 1);
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.attr.unwrap().nlink, 1);
+    // An expected entry that is gone: NotFound only after reading it.
+    let m = unlink_expecting(Ino::ROOT, "f", false, e);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err());
+    let mut m = m;
+    m.forget_expectation();
+    assert_eq!(w.run(m).await.unwrap_err(), MetaError::NotFound);
+}
+
+async fn rmdir_expect(w: &World, d: Ino) -> UnlinkExpect {
+    UnlinkExpect {
+        entry: Dentry {
+            ino: d,
+            kind: FileType::Directory,
+        },
+        child: w.inode(d).await,
+        parent: w.inode(Ino::ROOT).await,
+    }
+}
+
+#[tokio::test]
+async fn rmdir_with_expectation_proves_emptiness_by_compare() {
+    let mut w = World::new().await;
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    w.create(d, "x", FileType::Regular).await;
+    let m = unlink_expecting(Ino::ROOT, "d", true, rmdir_expect(&w, d).await);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err(), "non-empty caught");
+    let mut retry = m.clone();
+    retry.forget_expectation();
+    assert_eq!(w.run(retry).await.unwrap_err(), MetaError::NotEmpty);
+    w.run(unlink(d, "x")).await.unwrap();
+    let m = unlink_expecting(Ino::ROOT, "d", true, rmdir_expect(&w, d).await);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.removed, Some(d));
+    assert_eq!(w.inode(Ino::ROOT).await.unwrap().nlink, 2);
 }
