@@ -11,6 +11,7 @@ use std::{
 
 use meta::{
     clock::{Clock, ManualClock},
+    codec::Dentry,
     codec::{InodeAttr, Record, SuperRecord},
     error::MetaError,
     etcd::{EtcdBackend, EtcdConfig},
@@ -18,7 +19,6 @@ use meta::{
     keys::Keyspace,
     kv::KvBackend,
     model::{Faults, MemEtcd},
-    codec::Dentry,
     pipeline::{Config, MetaClient, Mutation, NewInode, Pipeline, SetAttr, UnlinkExpect},
     types::{FileType, Ino, SessionId, Timespec},
 };
@@ -470,7 +470,11 @@ fn unlink_expectations(client: &MetaClient) {
     let reads = client.stats().read_txns;
     let o = unlink(d, "f", false, Some(exp(fd, Some(fa), None))).unwrap();
     assert_eq!(o.removed, Some(fd.ino));
-    assert_eq!(client.stats().read_txns, reads, "an exact expectation reads nothing");
+    assert_eq!(
+        client.stats().read_txns,
+        reads,
+        "an exact expectation reads nothing"
+    );
     // Stale attributes (a chmod since): the compare fails, the retry uses fresh values.
     client
         .commit(Mutation::SetAttr {
@@ -507,7 +511,11 @@ fn unlink_expectations(client: &MetaClient) {
     let reads = client.stats().read_txns;
     let o = unlink(d, "e", true, Some(expect)).unwrap();
     assert_eq!(o.removed, Some(ed.ino));
-    assert_eq!(client.stats().read_txns, reads, "an exact rmdir reads nothing");
+    assert_eq!(
+        client.stats().read_txns,
+        reads,
+        "an exact rmdir reads nothing"
+    );
     assert_eq!(attr(d).nlink, 2);
     client.flush(None).unwrap().wait().unwrap();
     unlink(Ino::ROOT, "xd", true, None).unwrap();
@@ -618,4 +626,92 @@ fn pipeline_on_real_etcd() {
     p.runtime()
         .block_on(async move { kv.txn(cleanup).await })
         .unwrap();
+}
+
+/// Inode numbers are reserved on the first create, not at start: a pipeline that never
+/// creates leaves no `C` key. A deferred pipeline reads before its session exists, and one
+/// dropped unregistered writes nothing (and does not hang).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inode_reservation_and_session_are_lazy() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let count = |kv: Arc<MemEtcd>, key: Vec<u8>| async move {
+        kv.range(meta::kv::RangeRequest::key(key))
+            .await
+            .unwrap()
+            .kvs
+            .len()
+    };
+    let members = |kv: Arc<MemEtcd>, keys: Keyspace| async move {
+        let r = keys.members();
+        kv.range(meta::kv::RangeRequest::range(r.start, r.end))
+            .await
+            .unwrap()
+            .kvs
+            .len()
+    };
+    let kv2 = kv.clone();
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv2 as Arc<dyn KvBackend>) }));
+    let (k2, c2) = (keys.clone(), c.clone());
+    let unregistered = tokio::task::spawn_blocking(move || {
+        let p =
+            Pipeline::start_deferred(connect, k2, c2 as Arc<dyn Clock>, Config::default()).unwrap();
+        let client = p.client();
+        let root = client.get_inode(Ino::ROOT).unwrap().wait().unwrap();
+        assert!(root.is_some(), "reads work before a session exists");
+        // Queued, never committed: the pipeline goes away unregistered.
+        let t = client
+            .submit(create(Ino::ROOT, "never", FileType::Regular))
+            .unwrap();
+        drop(p);
+        t.wait()
+    })
+    .await
+    .unwrap();
+    assert!(unregistered.is_err());
+    assert_eq!(count(kv.clone(), keys.ino_counter()).await, 0);
+    assert_eq!(members(kv.clone(), keys.clone()).await, 0);
+
+    let kv2 = kv.clone();
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv2 as Arc<dyn KvBackend>) }));
+    let (k2, c2) = (keys.clone(), c.clone());
+    let (p, client) = tokio::task::spawn_blocking(move || {
+        let p =
+            Pipeline::start_deferred(connect, k2, c2 as Arc<dyn Clock>, Config::default()).unwrap();
+        let s = p
+            .register_session(&meta::session::SessionConfig::new("lazy"))
+            .unwrap();
+        std::mem::forget(s);
+        let client = p.client();
+        let chmod = Mutation::SetAttr {
+            ino: Ino::ROOT,
+            set: SetAttr {
+                perm: Some(0o700),
+                ..SetAttr::default()
+            },
+        };
+        client.commit(chmod).unwrap();
+        client.flush(None).unwrap().wait().unwrap();
+        (p, client)
+    })
+    .await
+    .unwrap();
+    assert_eq!(members(kv.clone(), keys.clone()).await, 1);
+    assert_eq!(
+        count(kv.clone(), keys.ino_counter()).await,
+        0,
+        "no create, no reservation"
+    );
+    let o = tokio::task::spawn_blocking(move || {
+        let o = client.commit(create(Ino::ROOT, "f", FileType::Regular));
+        drop(p);
+        o
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(o.ino.is_some());
+    assert_eq!(count(kv.clone(), keys.ino_counter()).await, 1);
 }

@@ -240,6 +240,25 @@ where
     meta.read(f)?.wait()
 }
 
+/// Reads the etcd superblock record and checks that the device is the filesystem it
+/// describes; the device's geometry.
+fn check_filesystem(meta: &MetaClient, dev: &Dev) -> anyhow::Result<Geometry> {
+    let rec = run_read(meta, |kv, keys| {
+        Box::pin(async move { meta::reader::superblock(&*kv, &keys).await })
+    })
+    .context("reading the etcd superblock record")?
+    .ok_or_else(|| {
+        anyhow!(
+            "etcd prefix {:?} holds no filesystem (run `etcfs mkfs`)",
+            String::from_utf8_lossy(meta.keys().root())
+        )
+    })?;
+    let dev_name = PathBuf::from(dev.name());
+    let sb = dmkfs::check(&mut *dev.io(), &dev_name, rec.uuid).map_err(|e| anyhow!("{e}"))?;
+    dmkfs::agrees_with_meta(&sb, &rec, &dev_name).map_err(|e| anyhow!("{e}"))?;
+    Ok(sb.geometry)
+}
+
 /// Formats `device` and the etcd `prefix` as one new filesystem.
 pub(crate) fn mkfs(
     etcd: &[String],
@@ -398,20 +417,27 @@ impl EtcFs {
         let keys = Keyspace::new(&cfg.prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
         let dev = open_device(&cfg.device, OpenOpts::default()).map_err(|e| anyhow!("{e}"))?;
         let t0 = std::time::Instant::now();
-        let (pipeline, session) = Pipeline::start_with_session(
-            connect_etcd(cfg.etcd.clone()),
-            keys,
-            SessionConfig::new(&node_name()),
-            Arc::new(SystemClock::new()),
-            pipeline_config(),
-        )
-        .map_err(|e| {
+        let unreachable = |e: MetaError| {
             anyhow!(
                 "cannot reach etcd at {} (after {:.1} s): {e}",
                 cfg.etcd.join(","),
                 t0.elapsed().as_secs_f64()
             )
-        })?;
+        };
+        // The session is registered only once etcd and the device are known to hold this
+        // filesystem: a refused mount leaves nothing in etcd.
+        let pipeline = Pipeline::start_deferred(
+            connect_etcd(cfg.etcd.clone()),
+            keys,
+            Arc::new(SystemClock::new()),
+            pipeline_config(),
+        )
+        .map_err(unreachable)?;
+        let dev = Dev::File(dev);
+        let geometry = check_filesystem(&pipeline.client(), &dev)?;
+        let session = pipeline
+            .register_session(&SessionConfig::new(&node_name()))
+            .map_err(unreachable)?;
         let opts = CacheOpts {
             attr_timeout: cfg.attr_timeout,
             entry_timeout: cfg.entry_timeout,
@@ -419,16 +445,18 @@ impl EtcFs {
             dir_names_max: cfg.dir_names_max,
             cores: cfg.cores,
         };
-        Self::open_with(
+        Self::open_checked(
             pipeline,
             session,
-            Dev::File(dev),
+            dev,
+            geometry,
             &opts,
             (cfg.cores * WAITERS_PER_CORE).max(WAITERS_MIN),
         )
     }
 
     /// Mounts on a running pipeline and session (tests: the model and a memory device).
+    #[cfg(test)]
     pub(crate) fn open_with(
         pipeline: Pipeline,
         session: Session,
@@ -436,20 +464,20 @@ impl EtcFs {
         opts: &CacheOpts,
         waiters: usize,
     ) -> anyhow::Result<EtcFs> {
+        let geometry = check_filesystem(&pipeline.client(), &dev)?;
+        Self::open_checked(pipeline, session, dev, geometry, opts, waiters)
+    }
+
+    /// Mounts once [`check_filesystem`] has accepted etcd and the device.
+    fn open_checked(
+        pipeline: Pipeline,
+        session: Session,
+        dev: Dev,
+        geometry: Geometry,
+        opts: &CacheOpts,
+        waiters: usize,
+    ) -> anyhow::Result<EtcFs> {
         let meta = pipeline.client();
-        let rec = run_read(&meta, |kv, keys| {
-            Box::pin(async move { meta::reader::superblock(&*kv, &keys).await })
-        })
-        .context("reading the etcd superblock record")?
-        .ok_or_else(|| {
-            anyhow!(
-                "etcd prefix {:?} holds no filesystem (run `etcfs mkfs`)",
-                String::from_utf8_lossy(meta.keys().root())
-            )
-        })?;
-        let dev_name = PathBuf::from(dev.name());
-        let sb = dmkfs::check(&mut *dev.io(), &dev_name, rec.uuid).map_err(|e| anyhow!("{e}"))?;
-        dmkfs::agrees_with_meta(&sb, &rec, &dev_name).map_err(|e| anyhow!("{e}"))?;
         let session = Arc::new(session);
         // A weak reference, so unmount can take the session back to close it.
         let alive = {
@@ -468,8 +496,8 @@ impl EtcFs {
             session: Mutex::new(Some(session)),
             session_alive: alive,
             dev,
-            geometry: sb.geometry,
-            alloc: Mutex::new(Allocator::new(sb.geometry)),
+            geometry,
+            alloc: Mutex::new(Allocator::new(geometry)),
             files: Files::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),

@@ -212,6 +212,8 @@ pub(crate) struct Committer {
     works: BTreeMap<u64, Work>,
     pool: VecDeque<(u64, u64)>,
     reserving: bool,
+    /// Whether any mutation has needed an inode number yet (reservation is lazy).
+    inos_wanted: bool,
     touches: HashMap<Ino, TouchEntry>,
     barriers: Vec<Barrier>,
     tasks: JoinSet<TaskDone>,
@@ -246,6 +248,7 @@ impl Committer {
             works: BTreeMap::new(),
             pool: VecDeque::new(),
             reserving: false,
+            inos_wanted: false,
             touches: HashMap::new(),
             barriers: Vec::new(),
             tasks: JoinSet::new(),
@@ -497,13 +500,19 @@ impl Committer {
     }
 
     fn plan_all(&mut self) {
-        // Keep a reservation ahead of demand so creates rarely wait for one.
+        // Keep a reservation ahead of demand so creates rarely wait for one, but only
+        // once something has asked for an inode number: a pipeline that never creates
+        // (a refused mount, mkfs, a read-only user) writes nothing to etcd.
         let waiting_inos = self
             .works
             .values()
             .filter(|w| w.m.needs_ino() && w.ino.is_none())
             .count() as u64;
-        if !self.reserving && self.pool_left() < self.cfg.ino_batch / 4 + waiting_inos {
+        self.inos_wanted |= waiting_inos > 0;
+        if self.inos_wanted
+            && !self.reserving
+            && self.pool_left() < self.cfg.ino_batch / 4 + waiting_inos
+        {
             self.reserving = true;
             self.add_work(
                 Mutation::ReserveInos {

@@ -854,7 +854,9 @@ async fn unlink_without_expectation_reads_twice_with_one_reads_nothing() {
     let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
     w.add_extent(f, 0, 4096, 1 << 20).await;
     let g = w.create(Ino::ROOT, "g", FileType::Regular).await;
-    let (_, rounds) = w.plan(&unlink(Ino::ROOT, "g"), &mut Snapshot::default()).await;
+    let (_, rounds) = w
+        .plan(&unlink(Ino::ROOT, "g"), &mut Snapshot::default())
+        .await;
     assert_eq!(rounds, 2, "entry, then inode");
     let e = UnlinkExpect {
         entry: Dentry {
