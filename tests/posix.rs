@@ -2682,7 +2682,7 @@ fn wrong_device_is_refused() {
 /// Keys under a prefix that are not leased (every tag of docs/key-schema.md but the
 /// session's `M` and `G`, which vanish with its lease).
 fn durable_keys(fs: &TestFs) -> u64 {
-    ["S", "C", "I", "D", "P", "L", "X", "E", "F", "O"]
+    ["S", "C", "I", "D", "P", "L", "X", "E", "F", "O", "R"]
         .iter()
         .map(|t| fs.etcd_key_count(t))
         .sum()

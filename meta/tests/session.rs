@@ -35,6 +35,7 @@ async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, in
             session: s.id(),
             new_ino: ino,
             block_size: 4096,
+            groups: None,
         };
         match plan(&m, &snap, &ctx) {
             Planned::Ready(p) => {

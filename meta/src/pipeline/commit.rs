@@ -552,6 +552,7 @@ impl Committer {
                 session: self.session,
                 new_ino: w.ino,
                 block_size: self.cfg.block_size,
+                groups: self.cfg.groups,
             };
             match plan(&w.m, &w.snap, &ctx) {
                 Planned::Ready(p) => {

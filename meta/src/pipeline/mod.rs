@@ -24,8 +24,8 @@ use tokio::sync::Notify;
 use self::{commit::Request, ticket::ticket};
 pub use self::{
     mutation::{
-        DevRange, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet, UnlinkExpect,
-        XattrMode,
+        DevRange, GroupLayout, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet,
+        UnlinkExpect, XattrMode,
     },
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},
     ticket::Ticket,
@@ -69,6 +69,8 @@ pub struct Config {
     pub block_size: u64,
     /// Reads (get/lookup/list) queued or running at once.
     pub reads_queued_max: usize,
+    /// Where the allocation groups lie (released ranges are logged per group).
+    pub groups: Option<GroupLayout>,
 }
 
 impl Default for Config {
@@ -86,6 +88,7 @@ impl Default for Config {
             ino_batch: 1024,
             block_size: 4096,
             reads_queued_max: 4096,
+            groups: None,
         }
     }
 }
@@ -216,11 +219,14 @@ impl Stats {
 
 pub use self::commit_types::Connect;
 
+/// Starts a deferred pipeline's committer: its session id and group layout.
+type StartCommitter = tokio::sync::oneshot::Sender<(SessionId, Option<GroupLayout>)>;
+
 /// Where the pipeline's session id comes from.
 enum SessionSource {
     Fixed(SessionId),
     /// Registered later ([`Pipeline::register_session`]); the committer starts then.
-    Deferred(tokio::sync::oneshot::Receiver<SessionId>),
+    Deferred(tokio::sync::oneshot::Receiver<(SessionId, Option<GroupLayout>)>),
 }
 
 mod commit_types {
@@ -277,7 +283,7 @@ pub struct Pipeline {
     keys: Keyspace,
     clock: Arc<dyn Clock>,
     /// Starts the committer of a deferred pipeline once its session is registered.
-    start_committer: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<SessionId>>>,
+    start_committer: std::sync::Mutex<Option<StartCommitter>>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -355,6 +361,16 @@ impl Pipeline {
     /// Registers this node's [`Session`] (a lease and its member key) and starts committing
     /// with its id. Only for a pipeline made by [`Pipeline::start_deferred`].
     pub fn register_session(&self, session_cfg: &SessionConfig) -> Result<Session, MetaError> {
+        self.register_session_with(session_cfg, None)
+    }
+
+    /// [`Pipeline::register_session`], also setting [`Config::groups`] (known only once
+    /// the caller has read the filesystem's geometry).
+    pub fn register_session_with(
+        &self,
+        session_cfg: &SessionConfig,
+        groups: Option<GroupLayout>,
+    ) -> Result<Session, MetaError> {
         let mut slot = self
             .start_committer
             .lock()
@@ -379,7 +395,7 @@ impl Pipeline {
             .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
         match s {
             Ok(s) => {
-                tx.send(s.id())
+                tx.send((s.id(), groups))
                     .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
                 Ok(s)
             }
@@ -428,11 +444,17 @@ impl Pipeline {
                     }
                 };
                 let _ = ready_tx.send(Ok((rt.handle().clone(), backend.clone())));
+                let mut c2 = c2;
                 let id = match session {
                     SessionSource::Fixed(id) => id,
                     // Reads spawned meanwhile run while this waits.
                     SessionSource::Deferred(start) => match rt.block_on(start) {
-                        Ok(id) => id,
+                        Ok((id, groups)) => {
+                            if groups.is_some() {
+                                c2.groups = groups;
+                            }
+                            id
+                        }
                         Err(_) => {
                             // Dropped unregistered: commit nothing, and answer `Closed` to
                             // whatever was or will be submitted (a dropped request answers

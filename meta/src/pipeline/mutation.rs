@@ -93,6 +93,16 @@ pub struct UnlinkExpect {
     pub parent: Option<InodeAttr>,
 }
 
+/// Where the allocation groups lie on the device, in bytes: group `i` is
+/// `[start + i * size, start + (i + 1) * size)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupLayout {
+    /// Device offset of group 0.
+    pub start: u64,
+    /// Bytes per group.
+    pub size: u64,
+}
+
 /// One filesystem metadata change. Each is atomic on its own: it commits entirely in one
 /// etcd transaction or not at all.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -204,6 +214,9 @@ pub enum Mutation {
     FreeMaps {
         /// `(group, encoded map)`.
         maps: Vec<(GroupId, Vec<u8>)>,
+        /// Device offsets of released records (`R`) these maps now include: deleted in the
+        /// same transaction.
+        released: Vec<u64>,
     },
     /// Delete an orphan inode (last close, or reclaim after its session died).
     ReclaimOrphan {
@@ -274,6 +287,10 @@ pub struct Outcome {
     pub orphaned: Option<Ino>,
     /// Device ranges no longer referenced (return them to the allocator).
     pub freed: Vec<DevRange>,
+    /// The part of `freed` logged as released records (`R<dev_off>`, one per range, each
+    /// inside one group) in the same commit; the rest (a file with too many extents to
+    /// read in one transaction) is only reported.
+    pub released: Vec<DevRange>,
     /// Reserved inode numbers `[start, end)` (ReserveInos).
     pub inos: Option<(u64, u64)>,
     /// Timestamps this commit handed to the coalescer (written to etcd later): the inode,

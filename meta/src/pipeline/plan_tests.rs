@@ -84,6 +84,10 @@ impl World {
             session: SessionId(9),
             new_ino: ino,
             block_size: 4096,
+            groups: Some(GroupLayout {
+                start: 0,
+                size: 1 << 20,
+            }),
         }
     }
 
@@ -849,7 +853,7 @@ fn unlink_expecting(parent: Ino, name: &str, dir: bool, e: UnlinkExpect) -> Muta
 }
 
 #[tokio::test]
-async fn unlink_without_expectation_reads_twice_with_one_reads_nothing() {
+async fn unlink_without_expectation_reads_twice_with_one_reads_less() {
     let mut w = World::new().await;
     let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
     w.add_extent(f, 0, 4096, 1 << 20).await;
@@ -868,10 +872,30 @@ async fn unlink_without_expectation_reads_twice_with_one_reads_nothing() {
     };
     let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
-    assert_eq!(rounds, 0);
+    assert_eq!(rounds, 1, "a file with data: its extents are read");
     let o = w.apply(&p.unwrap()).await.unwrap();
     assert_eq!(o.removed, Some(f));
     assert_eq!(o.freed.len(), 1);
+    assert_eq!(o.released, o.freed, "logged in the same txn");
+    assert!(w.exists(w.keys.released(1 << 20)).await);
+    // An empty file fully expected: nothing read.
+    let h = w.create(Ino::ROOT, "h", FileType::Regular).await;
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: h,
+            kind: FileType::Regular,
+        },
+        child: w.inode(h).await,
+        parent: None,
+    };
+    let (p, rounds) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "h", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert_eq!(rounds, 0);
+    assert_eq!(w.apply(&p.unwrap()).await.unwrap().removed, Some(h));
     // Only the entry expected: one read (the inode).
     let e = UnlinkExpect {
         entry: Dentry {
@@ -972,4 +996,71 @@ async fn rmdir_with_expectation_proves_emptiness_by_compare() {
     let o = w.apply(&p.unwrap()).await.unwrap();
     assert_eq!(o.removed, Some(d));
     assert_eq!(w.inode(Ino::ROOT).await.unwrap().nlink, 2);
+}
+
+/// Every mutation that drops extents logs their device ranges as released records in its
+/// own transaction (split at group boundaries), and FreeMaps deletes them.
+#[tokio::test]
+async fn freed_ranges_are_logged_in_the_freeing_txn() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    // Straddles the 1 MiB group boundary.
+    w.add_extent(f, 0, 16384, (1 << 20) - 8192).await;
+    w.add_extent(f, 16384, 8192, 4 << 20).await;
+    w.add_extent(f, 24576, 8192, 5 << 20).await;
+    // Punch the middle extent.
+    let punch = Mutation::SetExtents {
+        free_maps: Vec::new(),
+        ino: f,
+        off: 16384,
+        len: 8192,
+        extents: vec![],
+        size_at_least: None,
+        touch_mtime: true,
+    };
+    let o = w.run(punch).await.unwrap();
+    let r = |dev_off: u64, len: u64| DevRange { dev_off, len };
+    assert_eq!(o.released, vec![r(4 << 20, 8192)]);
+    // Truncate into the first extent: the trimmed tail and the last extent.
+    let t = Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            size: Some(4096),
+            ..SetAttr::default()
+        },
+    };
+    let o = w.run(t).await.unwrap();
+    assert_eq!(
+        o.released,
+        vec![
+            r((1 << 20) - 4096, 4096),
+            r(1 << 20, 8192),
+            r(5 << 20, 8192)
+        ]
+    );
+    // Re-extend (the test reuses device space freely) and unlink.
+    w.add_extent(f, 4096, 8192, 1 << 20).await;
+    let o = w.run(unlink(Ino::ROOT, "f")).await.unwrap();
+    assert_eq!(
+        o.released,
+        vec![r((1 << 20) - 8192, 4096), r(1 << 20, 8192)]
+    );
+    let logged = [
+        (1 << 20) - 8192,
+        (1 << 20) - 4096,
+        1 << 20,
+        4 << 20,
+        5 << 20,
+    ];
+    for off in logged {
+        assert!(w.exists(w.keys.released(off)).await, "R @{off}");
+    }
+    let fm = Mutation::FreeMaps {
+        maps: vec![],
+        released: logged.to_vec(),
+    };
+    w.run(fm).await.unwrap();
+    for off in logged {
+        assert!(!w.exists(w.keys.released(off)).await);
+    }
 }
