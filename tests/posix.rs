@@ -2772,33 +2772,37 @@ fn wrong_device_is_refused() {
 /// Keys under a prefix that are not leased (every tag of docs/key-schema.md but the
 /// session's `M` and `G`, which vanish with its lease).
 fn durable_keys(fs: &TestFs) -> u64 {
-    ["S", "C", "I", "D", "P", "L", "X", "E", "F", "O"]
+    ["S", "C", "I", "D", "P", "L", "X", "E", "F", "O", "R"]
         .iter()
         .map(|t| fs.etcd_key_count(t))
         .sum()
 }
 
-/// KNOWN BUG (etcfs): a refused `mount` (prefix not formatted) or a refused `mkfs` (device
-/// already formatted) still writes the inode counter `<prefix>/C` into etcd; a refused
-/// command must leave the etcd prefix as it found it.
+/// A refused `mount` (prefix not formatted) or a refused `mkfs` (device already
+/// formatted) leaves the etcd prefix as it found it: no inode counter `<prefix>/C` (inode
+/// numbers are reserved on the first create) and no session (registered only once the
+/// filesystem checks pass).
 #[test]
-#[ignore = "known bug: a refused mount or mkfs still writes <prefix>/C (the pipeline reserves \
-            inode numbers when it starts); run with --ignored"]
-fn known_bug_refused_commands_write_nothing_to_etcd() {
-    let Some(endpoints) =
-        common::etcd_or_skip("known_bug_refused_commands_write_nothing_to_etcd", None)
+fn refused_commands_write_nothing_to_etcd() {
+    let Some(endpoints) = common::etcd_or_skip("refused_commands_write_nothing_to_etcd", None)
     else {
         return;
     };
-    let blank = TestFs::blank("known_bug_refused_commands_a", &endpoints, 256 * MIB);
+    let blank = TestFs::blank("refused_commands_a", &endpoints, 256 * MIB);
     let (success, _, _) = blank.mount_expecting_failure(&blank.mount_args("auto", &[]));
     assert!(!success);
     let after_mount = durable_keys(&blank);
+    // Nor a session (its member key would linger until the lease expires).
+    assert_eq!(
+        (blank.etcd_key_count("M"), blank.etcd_key_count("G")),
+        (0, 0),
+        "a refused mount registered a session"
+    );
     // mkfs of another new prefix onto a device that already holds a filesystem.
-    let Some(formatted) = TestFs::new_or_skip("known_bug_refused_commands_b", None) else {
+    let Some(formatted) = TestFs::new_or_skip("refused_commands_b", None) else {
         return;
     };
-    let fresh = TestFs::blank("known_bug_refused_commands_c", &endpoints, MIB);
+    let fresh = TestFs::blank("refused_commands_c", &endpoints, MIB);
     let (out, _) = run_bounded(
         Command::new(ETCFS)
             .args(["mkfs", "--etcd", &endpoints, "--device"])

@@ -230,6 +230,29 @@ impl Record for InoCounter {
     }
 }
 
+/// A freed device range not yet in its group's free map (`R<dev_off>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Released {
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl Record for Released {
+    const WHAT: &'static str = "released range";
+    fn validate(&self) -> Result<(), &'static str> {
+        if self.len == 0 {
+            return Err("empty released range");
+        }
+        Ok(())
+    }
+    fn write(&self, w: &mut Vec<u8>) {
+        w.extend_from_slice(&self.len.to_le_bytes());
+    }
+    fn read(r: &mut Reader<'_>) -> Result<Self, &'static str> {
+        Ok(Released { len: r.u64()? })
+    }
+}
+
 /// An inode's attributes (`I<ino>`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InodeAttr {
@@ -657,6 +680,7 @@ mod tests {
         round_trip(SymlinkTarget(b"../x".to_vec()));
         round_trip(XattrValue(vec![]));
         round_trip(InoCounter { next: 2048 });
+        round_trip(Released { len: 4096 });
         round_trip(ExtentValue {
             len: 4096,
             dev_off: 8192,

@@ -21,6 +21,9 @@
 //! <p>/O<ino:8>                 Orphan {session}        -              unlink-while-open
 //! <p>/F<group:4>               free map (opaque here;  -              mkfs; SetExtents (allocs,
 //!                              src/data/alloc.rs)                     same txn); FreeMaps
+//! <p>/R<dev_off:8>             Released {len}          -              the mutation freeing the
+//!                                                                     extent (same txn); deleted
+//!                                                                     by FreeMaps
 //! ```
 //!
 //! Why this shape:
@@ -38,6 +41,10 @@
 //!   ancestor walk that stops `rename` from moving a directory into its own subtree
 //!   compares only keys that change when directories move, not the (frequently
 //!   re-timestamped) inodes.
+//! * Freed device ranges are logged as `R` records in the transaction that drops the
+//!   extents (each inside one allocation group), and deleted by the group owner's `FreeMaps`
+//!   that writes them into `F<group>`: a crash in between loses nothing, since a node
+//!   loading the group applies the records written after the map (see src/fs `try_claim`).
 //! * Liveness is etcd leases: `M` and `G` keys carry the owning session's lease and vanish
 //!   when it expires. Orphans (`O`) do not: they must outlive a crash so that another node
 //!   can see that the owner session is gone and reclaim the inode.
@@ -60,6 +67,7 @@ mod tag {
     pub(super) const GROUP: u8 = b'G';
     pub(super) const ORPHAN: u8 = b'O';
     pub(super) const FREE_MAP: u8 = b'F';
+    pub(super) const RELEASED: u8 = b'R';
 }
 
 /// The default filesystem prefix.
@@ -103,6 +111,8 @@ pub enum KeyKind {
     FreeMap(GroupId),
     /// `O<ino>`
     Orphan(Ino),
+    /// `R<dev_off>`
+    Released(u64),
 }
 
 /// Error for an unusable `--prefix`.
@@ -312,6 +322,19 @@ impl Keyspace {
         self.range_tag(tag::ORPHAN)
     }
 
+    /// `R<dev_off>`: a freed device range not yet in its group's free map.
+    pub fn released(&self, dev_off: u64) -> Vec<u8> {
+        self.key_u64(tag::RELEASED, dev_off)
+    }
+
+    /// Released records starting in device bytes `[from, to)`.
+    pub fn released_between(&self, from: u64, to: u64) -> KeyRange {
+        KeyRange {
+            start: self.key_u64(tag::RELEASED, from),
+            end: self.key_u64(tag::RELEASED, to),
+        }
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -325,6 +348,7 @@ impl Keyspace {
             tag::SYMLINK => KeyKind::Symlink(Ino(u64_at(body)?)),
             tag::ORPHAN => KeyKind::Orphan(Ino(u64_at(body)?)),
             tag::MEMBER => KeyKind::Member(SessionId(u64_at(body)?)),
+            tag::RELEASED => KeyKind::Released(u64_at(body)?),
             tag::DENTRY | tag::XATTR => {
                 let (n, name) = (body.get(..8)?, body.get(8..)?);
                 if name.is_empty() {
@@ -364,6 +388,7 @@ impl Keyspace {
             Some(KeyKind::Group(g)) => format!("{p}G {}", g.0),
             Some(KeyKind::FreeMap(g)) => format!("{p}F {}", g.0),
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
+            Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
             None => escape(key),
         }
     }

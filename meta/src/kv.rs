@@ -177,6 +177,15 @@ impl Compare {
             target: CompareTarget::Version(0),
         }
     }
+    /// The key exists and holds exactly `value`.
+    pub fn value(key: Vec<u8>, value: Vec<u8>) -> Self {
+        Compare {
+            key,
+            range_end: None,
+            op: CompareOp::Equal,
+            target: CompareTarget::Value(value),
+        }
+    }
     /// No key exists in `[start, end)`.
     pub fn range_empty(start: Vec<u8>, end: Vec<u8>) -> Self {
         Compare {

@@ -11,6 +11,7 @@ use std::{
 
 use meta::{
     clock::{Clock, ManualClock},
+    codec::Dentry,
     codec::{InodeAttr, Record, SuperRecord},
     error::MetaError,
     etcd::{EtcdBackend, EtcdConfig},
@@ -18,7 +19,7 @@ use meta::{
     keys::Keyspace,
     kv::KvBackend,
     model::{Faults, MemEtcd},
-    pipeline::{Config, Mutation, NewInode, Pipeline, SetAttr},
+    pipeline::{Config, MetaClient, Mutation, NewInode, Pipeline, SetAttr, UnlinkExpect},
     types::{FileType, Ino, SessionId, Timespec},
 };
 
@@ -433,6 +434,104 @@ fn unreachable_etcd_fails_pipeline_start_within_5s() {
     assert!(t.elapsed() < Duration::from_secs(5));
 }
 
+/// Unlink and rmdir with what a cache expects: exact expectations commit without a read,
+/// stale ones are caught by their compares and end like a plain unlink would.
+fn unlink_expectations(client: &MetaClient) {
+    let attr = |ino: Ino| client.get_inode(ino).unwrap().wait().unwrap().unwrap().0;
+    let made = |parent: Ino, name: &str, kind: FileType| {
+        let o = client.commit(create(parent, name, kind)).unwrap();
+        let a = o.attr.unwrap();
+        (Dentry { ino: a.ino, kind }, a)
+    };
+    let unlink = |parent: Ino, name: &str, dir: bool, expect: Option<UnlinkExpect>| {
+        client.commit(Mutation::Unlink {
+            parent,
+            name: name.as_bytes().to_vec(),
+            dir,
+            keep_open: false,
+            expect: expect.map(Box::new),
+        })
+    };
+    let exp = |entry: Dentry, child: Option<InodeAttr>, parent: Option<InodeAttr>| UnlinkExpect {
+        entry,
+        child,
+        parent,
+    };
+    let (dd, _) = made(Ino::ROOT, "xd", FileType::Directory);
+    let d = dd.ino;
+    let (fd, fa) = made(d, "f", FileType::Regular);
+    let (gd, ga) = made(d, "g", FileType::Regular);
+    let (ed, _) = made(d, "e", FileType::Directory);
+    made(ed.ino, "x", FileType::Regular);
+    let (hd, _) = made(d, "h", FileType::Regular);
+    client.flush(None).unwrap().wait().unwrap();
+
+    // Exact: no read at all.
+    let reads = client.stats().read_txns;
+    let o = unlink(d, "f", false, Some(exp(fd, Some(fa), None))).unwrap();
+    assert_eq!(o.removed, Some(fd.ino));
+    assert_eq!(
+        client.stats().read_txns,
+        reads,
+        "an exact expectation reads nothing"
+    );
+    // Stale attributes (a chmod since): the compare fails, the retry uses fresh values.
+    client
+        .commit(Mutation::SetAttr {
+            ino: gd.ino,
+            set: SetAttr {
+                perm: Some(0o600),
+                ..SetAttr::default()
+            },
+        })
+        .unwrap();
+    let o = unlink(d, "g", false, Some(exp(gd, Some(ga.clone()), None))).unwrap();
+    assert_eq!(o.removed, Some(gd.ino));
+    // A name that is gone: NotFound, not a conflict.
+    assert_eq!(
+        unlink(d, "g", false, Some(exp(gd, Some(ga), None))).unwrap_err(),
+        MetaError::NotFound
+    );
+    // The cache thinks "h" is the directory "e": the unlink still removes the file.
+    let o = unlink(d, "h", false, Some(exp(ed, Some(attr(ed.ino)), None))).unwrap();
+    assert_eq!(o.removed, Some(hd.ino));
+    // rmdir of a non-empty directory with a full expectation: NotEmpty.
+    let full = || exp(ed, Some(attr(ed.ino)), Some(attr(d)));
+    assert_eq!(
+        unlink(d, "e", true, Some(full())).unwrap_err(),
+        MetaError::NotEmpty
+    );
+    assert_eq!(
+        unlink(d, "e", false, Some(full())).unwrap_err(),
+        MetaError::IsDir
+    );
+    unlink(ed.ino, "x", false, None).unwrap();
+    client.flush(None).unwrap().wait().unwrap();
+    let expect = full();
+    let reads = client.stats().read_txns;
+    let o = unlink(d, "e", true, Some(expect)).unwrap();
+    assert_eq!(o.removed, Some(ed.ino));
+    assert_eq!(
+        client.stats().read_txns,
+        reads,
+        "an exact rmdir reads nothing"
+    );
+    assert_eq!(attr(d).nlink, 2);
+    client.flush(None).unwrap().wait().unwrap();
+    unlink(Ino::ROOT, "xd", true, None).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlink_with_expectations_on_the_model() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p = start(kv, &keys, 1, c, Config::default());
+    let client = p.client();
+    tokio::task::spawn_blocking(move || unlink_expectations(&client))
+        .await
+        .unwrap();
+}
+
 #[test]
 fn pipeline_on_real_etcd() {
     let Ok(eps) = std::env::var("ETCD_ENDPOINTS") else {
@@ -499,6 +598,7 @@ fn pipeline_on_real_etcd() {
         name: name.into_bytes(),
         dir: false,
         keep_open: false,
+        expect: None,
     };
     let ts: Vec<_> = (0..n)
         .map(|i| client.submit_blocking(rm(format!("f{i}"))).unwrap())
@@ -511,9 +611,11 @@ fn pipeline_on_real_etcd() {
         name: b"d".to_vec(),
         dir: true,
         keep_open: false,
+        expect: None,
     };
     client.flush(None).unwrap().wait().unwrap();
     client.commit(rmdir).unwrap();
+    unlink_expectations(&client);
     // Clean up the prefix.
     let kv = p.backend();
     let all = keys.all();
@@ -524,4 +626,92 @@ fn pipeline_on_real_etcd() {
     p.runtime()
         .block_on(async move { kv.txn(cleanup).await })
         .unwrap();
+}
+
+/// Inode numbers are reserved on the first create, not at start: a pipeline that never
+/// creates leaves no `C` key. A deferred pipeline reads before its session exists, and one
+/// dropped unregistered writes nothing (and does not hang).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inode_reservation_and_session_are_lazy() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let count = |kv: Arc<MemEtcd>, key: Vec<u8>| async move {
+        kv.range(meta::kv::RangeRequest::key(key))
+            .await
+            .unwrap()
+            .kvs
+            .len()
+    };
+    let members = |kv: Arc<MemEtcd>, keys: Keyspace| async move {
+        let r = keys.members();
+        kv.range(meta::kv::RangeRequest::range(r.start, r.end))
+            .await
+            .unwrap()
+            .kvs
+            .len()
+    };
+    let kv2 = kv.clone();
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv2 as Arc<dyn KvBackend>) }));
+    let (k2, c2) = (keys.clone(), c.clone());
+    let unregistered = tokio::task::spawn_blocking(move || {
+        let p =
+            Pipeline::start_deferred(connect, k2, c2 as Arc<dyn Clock>, Config::default()).unwrap();
+        let client = p.client();
+        let root = client.get_inode(Ino::ROOT).unwrap().wait().unwrap();
+        assert!(root.is_some(), "reads work before a session exists");
+        // Queued, never committed: the pipeline goes away unregistered.
+        let t = client
+            .submit(create(Ino::ROOT, "never", FileType::Regular))
+            .unwrap();
+        drop(p);
+        t.wait()
+    })
+    .await
+    .unwrap();
+    assert!(unregistered.is_err());
+    assert_eq!(count(kv.clone(), keys.ino_counter()).await, 0);
+    assert_eq!(members(kv.clone(), keys.clone()).await, 0);
+
+    let kv2 = kv.clone();
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv2 as Arc<dyn KvBackend>) }));
+    let (k2, c2) = (keys.clone(), c.clone());
+    let (p, client) = tokio::task::spawn_blocking(move || {
+        let p =
+            Pipeline::start_deferred(connect, k2, c2 as Arc<dyn Clock>, Config::default()).unwrap();
+        let s = p
+            .register_session(&meta::session::SessionConfig::new("lazy"))
+            .unwrap();
+        std::mem::forget(s);
+        let client = p.client();
+        let chmod = Mutation::SetAttr {
+            ino: Ino::ROOT,
+            set: SetAttr {
+                perm: Some(0o700),
+                ..SetAttr::default()
+            },
+        };
+        client.commit(chmod).unwrap();
+        client.flush(None).unwrap().wait().unwrap();
+        (p, client)
+    })
+    .await
+    .unwrap();
+    assert_eq!(members(kv.clone(), keys.clone()).await, 1);
+    assert_eq!(
+        count(kv.clone(), keys.ino_counter()).await,
+        0,
+        "no create, no reservation"
+    );
+    let o = tokio::task::spawn_blocking(move || {
+        let o = client.commit(create(Ino::ROOT, "f", FileType::Regular));
+        drop(p);
+        o
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(o.ino.is_some());
+    assert_eq!(count(kv.clone(), keys.ino_counter()).await, 1);
 }

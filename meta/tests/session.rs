@@ -35,6 +35,7 @@ async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, in
             session: s.id(),
             new_ino: ino,
             block_size: 4096,
+            groups: None,
         };
         match plan(&m, &snap, &ctx) {
             Planned::Ready(p) => {
@@ -118,6 +119,7 @@ async fn crash_frees_groups_and_orphans_on_model() {
         name: b"f".to_vec(),
         dir: false,
         keep_open: true,
+        expect: None,
     };
     apply(&*kv, &keys, unlink, &a, None).await;
     assert!(

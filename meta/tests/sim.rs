@@ -16,13 +16,13 @@ use std::{
 
 use meta::{
     clock::{Clock, ManualClock},
-    codec::{InodeAttr, Record, SuperRecord},
+    codec::{Dentry, InodeAttr, Record, SuperRecord},
     error::MetaError,
     format::{format, RootOwner},
     keys::{KeyKind, Keyspace},
     kv::{KvBackend, RangeRequest},
     model::{Faults, MemEtcd},
-    pipeline::{Config, Mutation, NewInode, Outcome, Pipeline, RenameMode},
+    pipeline::{Config, Mutation, NewInode, Outcome, Pipeline, RenameMode, UnlinkExpect},
     types::{FileType, Ino, SessionId, Timespec},
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -38,7 +38,10 @@ enum Op {
     Rename(Ino, String, Ino, String, RenameMode),
 }
 
-fn to_mutation(op: &Op) -> Mutation {
+/// What a node's own creates told it (its "cache"; other nodes make it stale).
+type Seen = HashMap<(Ino, String), InodeAttr>;
+
+fn to_mutation(op: &Op, seen: Option<&Seen>) -> Mutation {
     match op.clone() {
         Op::Create(p, n) => Mutation::Create {
             parent: p,
@@ -53,12 +56,25 @@ fn to_mutation(op: &Op) -> Mutation {
             },
             symlink: None,
         },
-        Op::Unlink(p, n) => Mutation::Unlink {
-            parent: p,
-            name: n.into_bytes(),
-            dir: false,
-            keep_open: false,
-        },
+        Op::Unlink(p, n) => {
+            let expect = seen.and_then(|s| s.get(&(p, n.clone()))).map(|a| {
+                Box::new(UnlinkExpect {
+                    entry: Dentry {
+                        ino: a.ino,
+                        kind: a.kind,
+                    },
+                    child: Some(a.clone()),
+                    parent: None,
+                })
+            });
+            Mutation::Unlink {
+                parent: p,
+                name: n.into_bytes(),
+                dir: false,
+                keep_open: false,
+                expect,
+            }
+        }
         Op::Rename(sp, sn, dp, dn, mode) => Mutation::Rename {
             src_parent: sp,
             src_name: sn.into_bytes(),
@@ -238,15 +254,25 @@ fn run_seed(seed: u64) {
             std::thread::spawn(move || {
                 let mut log = Vec::new();
                 let mut done = 0;
+                let mut seen = Seen::new();
                 while done < OPS_PER_NODE {
                     let k = rng.gen_range(1..=4);
                     let ops: Vec<Op> = (0..k).map(|_| random_op(&mut rng, &dirs)).collect();
                     let ts: Vec<_> = ops
                         .iter()
-                        .map(|op| client.submit_blocking(to_mutation(op)).unwrap())
+                        .map(|op| {
+                            let expect = rng.gen_bool(0.5).then_some(&seen);
+                            client.submit_blocking(to_mutation(op, expect)).unwrap()
+                        })
                         .collect();
                     for (op, t) in ops.into_iter().zip(ts) {
-                        log.push((n, op, t.wait()));
+                        let r = t.wait();
+                        if let (Op::Create(p, name), Ok(o)) = (&op, &r) {
+                            if let Some(a) = &o.attr {
+                                seen.insert((*p, name.clone()), a.clone());
+                            }
+                        }
+                        log.push((n, op, r));
                     }
                     done += k;
                 }

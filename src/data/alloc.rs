@@ -224,6 +224,40 @@ impl AgFreeMap {
         Ok(())
     }
 
+    /// Returns whatever of `ext` (clamped to this group) is not free yet; the blocks freed.
+    /// For replaying released records, which the map may already include.
+    pub(crate) fn free_lenient(&mut self, ext: Extent) -> u64 {
+        let s = ext.start.0.max(self.span.start.0);
+        let e = ext.end().min(self.span.end());
+        if s >= e {
+            return 0;
+        }
+        let mut gaps = Vec::new();
+        let mut at = s;
+        let overlapping: Vec<(u64, u64)> = self
+            .free
+            .range(..e)
+            .filter(|(&fs, &fl)| fs + fl > s)
+            .map(|(&fs, &fl)| (fs, fs + fl))
+            .collect();
+        for (fs, fe) in overlapping {
+            if fs > at {
+                gaps.push(Extent::new(at, fs - at));
+            }
+            at = at.max(fe);
+        }
+        if at < e {
+            gaps.push(Extent::new(at, e - at));
+        }
+        let mut n = 0;
+        for g in gaps {
+            if self.free(g).is_ok() {
+                n += g.len;
+            }
+        }
+        n
+    }
+
     /// Marks `ext` used (rebuilding a map from the extents that exist, or replaying).
     /// Refuses, changing nothing, unless all of it is free.
     pub(crate) fn mark_used(&mut self, ext: Extent) -> Result<(), AllocError> {

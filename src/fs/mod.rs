@@ -67,8 +67,8 @@ use meta::{
     keys::Keyspace,
     kv::{KvBackend, RangeRequest},
     pipeline::{
-        Config as PipelineConfig, Connect, MetaClient, Mutation, NewInode, Outcome, Pipeline,
-        RenameMode, SetAttr, TimeSet, XattrMode,
+        Config as PipelineConfig, Connect, GroupLayout, MetaClient, Mutation, NewInode, Outcome,
+        Pipeline, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode,
     },
     session::{Session, SessionConfig},
     types::{FileType, GroupId, Ino, Timespec, XATTR_NAME_LEN_MAX, XATTR_VALUE_LEN_MAX},
@@ -112,6 +112,11 @@ const XATTR_LIST_NAMES_MAX: usize = 4096;
 const ORPHAN_RECLAIM_BATCH: usize = 256;
 /// Groups claimed at mount; more are claimed when these run out.
 const GROUPS_CLAIM_INITIAL: usize = 2;
+/// Released records (`R`) of one group applied when it is loaded; more stay for a later
+/// load (their blocks unused meanwhile, never handed out twice).
+const RELEASED_LOAD_MAX: i64 = 4096;
+/// Released records deleted by one free-map write (well inside a transaction's ops).
+const RELEASED_PER_FOLD: usize = 96;
 /// How often the housekeeping thread reclaims dead nodes' orphans and claims groups.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(5);
 /// Largest file size (as ext4 with 4 KiB blocks: 16 TiB).
@@ -238,6 +243,33 @@ where
         + 'static,
 {
     meta.read(f)?.wait()
+}
+
+/// Reads the etcd superblock record and checks that the device is the filesystem it
+/// describes; the device's geometry.
+fn check_filesystem(meta: &MetaClient, dev: &Dev) -> anyhow::Result<Geometry> {
+    let rec = run_read(meta, |kv, keys| {
+        Box::pin(async move { meta::reader::superblock(&*kv, &keys).await })
+    })
+    .context("reading the etcd superblock record")?
+    .ok_or_else(|| {
+        anyhow!(
+            "etcd prefix {:?} holds no filesystem (run `etcfs mkfs`)",
+            String::from_utf8_lossy(meta.keys().root())
+        )
+    })?;
+    let dev_name = PathBuf::from(dev.name());
+    let sb = dmkfs::check(&mut *dev.io(), &dev_name, rec.uuid).map_err(|e| anyhow!("{e}"))?;
+    dmkfs::agrees_with_meta(&sb, &rec, &dev_name).map_err(|e| anyhow!("{e}"))?;
+    Ok(sb.geometry)
+}
+
+/// Where the allocation groups lie, for the pipeline to log released ranges per group.
+fn group_layout(g: &Geometry) -> GroupLayout {
+    GroupLayout {
+        start: g.data_start_block * BLOCK_SIZE,
+        size: g.ag_blocks * BLOCK_SIZE,
+    }
 }
 
 /// Formats `device` and the etcd `prefix` as one new filesystem.
@@ -409,20 +441,30 @@ impl EtcFs {
         let keys = Keyspace::new(&cfg.prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
         let dev = open_device(&cfg.device, OpenOpts::default()).map_err(|e| anyhow!("{e}"))?;
         let t0 = std::time::Instant::now();
-        let (pipeline, session) = Pipeline::start_with_session(
-            connect_etcd(cfg.etcd.clone()),
-            keys,
-            SessionConfig::new(&node_name()),
-            Arc::new(SystemClock::new()),
-            pipeline_config(),
-        )
-        .map_err(|e| {
+        let unreachable = |e: MetaError| {
             anyhow!(
                 "cannot reach etcd at {} (after {:.1} s): {e}",
                 cfg.etcd.join(","),
                 t0.elapsed().as_secs_f64()
             )
-        })?;
+        };
+        // The session is registered only once etcd and the device are known to hold this
+        // filesystem: a refused mount leaves nothing in etcd.
+        let pipeline = Pipeline::start_deferred(
+            connect_etcd(cfg.etcd.clone()),
+            keys,
+            Arc::new(SystemClock::new()),
+            pipeline_config(),
+        )
+        .map_err(unreachable)?;
+        let dev = Dev::File(dev);
+        let geometry = check_filesystem(&pipeline.client(), &dev)?;
+        let session = pipeline
+            .register_session_with(
+                &SessionConfig::new(&node_name()),
+                Some(group_layout(&geometry)),
+            )
+            .map_err(unreachable)?;
         let opts = CacheOpts {
             attr_timeout: cfg.attr_timeout,
             entry_timeout: cfg.entry_timeout,
@@ -430,16 +472,18 @@ impl EtcFs {
             dir_names_max: cfg.dir_names_max,
             cores: cfg.cores,
         };
-        Self::open_with(
+        Self::open_checked(
             pipeline,
             session,
-            Dev::File(dev),
+            dev,
+            geometry,
             &opts,
             (cfg.cores * WAITERS_PER_CORE).max(WAITERS_MIN),
         )
     }
 
     /// Mounts on a running pipeline and session (tests: the model and a memory device).
+    #[cfg(test)]
     pub(crate) fn open_with(
         pipeline: Pipeline,
         session: Session,
@@ -447,20 +491,20 @@ impl EtcFs {
         opts: &CacheOpts,
         waiters: usize,
     ) -> anyhow::Result<EtcFs> {
+        let geometry = check_filesystem(&pipeline.client(), &dev)?;
+        Self::open_checked(pipeline, session, dev, geometry, opts, waiters)
+    }
+
+    /// Mounts once [`check_filesystem`] has accepted etcd and the device.
+    fn open_checked(
+        pipeline: Pipeline,
+        session: Session,
+        dev: Dev,
+        geometry: Geometry,
+        opts: &CacheOpts,
+        waiters: usize,
+    ) -> anyhow::Result<EtcFs> {
         let meta = pipeline.client();
-        let rec = run_read(&meta, |kv, keys| {
-            Box::pin(async move { meta::reader::superblock(&*kv, &keys).await })
-        })
-        .context("reading the etcd superblock record")?
-        .ok_or_else(|| {
-            anyhow!(
-                "etcd prefix {:?} holds no filesystem (run `etcfs mkfs`)",
-                String::from_utf8_lossy(meta.keys().root())
-            )
-        })?;
-        let dev_name = PathBuf::from(dev.name());
-        let sb = dmkfs::check(&mut *dev.io(), &dev_name, rec.uuid).map_err(|e| anyhow!("{e}"))?;
-        dmkfs::agrees_with_meta(&sb, &rec, &dev_name).map_err(|e| anyhow!("{e}"))?;
         let session = Arc::new(session);
         // A weak reference, so unmount can take the session back to close it.
         let alive = {
@@ -479,8 +523,8 @@ impl EtcFs {
             session: Mutex::new(Some(session)),
             session_alive: alive,
             dev,
-            geometry: sb.geometry,
-            alloc: Mutex::new(Allocator::new(sb.geometry)),
+            geometry,
+            alloc: Mutex::new(Allocator::new(geometry)),
             files: Files::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -722,17 +766,22 @@ impl Inner {
             self.caches.forget_attr(ino.0);
         }
         if !out.freed.is_empty() {
-            self.release_blocks(&out.freed);
+            self.release_blocks(&out.freed, &out.released);
         }
     }
 
     /// Returns freed device ranges to the allocator and persists the free maps of the
-    /// groups this node owns. A crash between the freeing commit and this one leaks the
-    /// blocks (never double-allocates them); blocks in groups other nodes own are left to
-    /// their owner's recovery.
-    fn release_blocks(&self, freed: &[meta::pipeline::DevRange]) {
+    /// groups this node owns, deleting the released records (`R`) the freeing commit logged
+    /// for them in the same transaction. A crash before that leaves the records, which the
+    /// next node to load the group applies (see [`Inner::try_claim`]); blocks in groups
+    /// other nodes own are left to them the same way.
+    fn release_blocks(
+        &self,
+        freed: &[meta::pipeline::DevRange],
+        released: &[meta::pipeline::DevRange],
+    ) {
         // Blocks in a group nobody owns (its node died) are ours to return: claim the
-        // group first, which loads its authoritative free map.
+        // group first, which loads its authoritative free map (and applies our records).
         let exts: Vec<Extent> = freed
             .iter()
             .map(|r| Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE))
@@ -752,6 +801,7 @@ impl Inner {
         }
         let mut a = lock(&self.alloc);
         let mut changed = BTreeSet::new();
+        let mut done: Vec<meta::pipeline::DevRange> = Vec::new();
         for r in freed {
             let ext = Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE);
             if ext.len == 0 {
@@ -760,24 +810,72 @@ impl Inner {
             let groups = a.groups_of(&[ext]);
             if !groups.iter().all(|g| a.owned().contains(g)) {
                 log::warn!(
-                    "freed {ext} lies in a group this node does not own; left allocated until \
-                     the owner's recovery"
+                    "freed {ext} lies in a group this node does not own; left to the group's \
+                     next owner (released record)"
                 );
                 continue;
             }
             match a.free(ext) {
-                Ok(g) => changed.extend(g),
+                Ok(g) => {
+                    changed.extend(g);
+                    done.push(*r);
+                }
+                // Already free: a claim just applied this range's released records.
+                Err(AllocError::DoubleFree { .. }) => done.push(*r),
                 Err(e) => log::error!("freeing {ext}: {e}"),
             }
         }
-        if changed.is_empty() {
+        // Records whose range is in the maps now (each lies inside one freed range).
+        let records: Vec<u64> = released
+            .iter()
+            .filter(|p| {
+                done.iter()
+                    .any(|r| p.dev_off >= r.dev_off && p.dev_off + p.len <= r.dev_off + r.len)
+            })
+            .map(|p| p.dev_off)
+            .collect();
+        if changed.is_empty() && records.is_empty() {
             return;
         }
-        let maps = encode_maps(&a, &changed);
+        // Each record goes with its group's map; batches stay well inside a transaction.
+        let mut by_group: std::collections::BTreeMap<AgId, Vec<u64>> = Default::default();
+        for off in records {
+            if let Some(g) = self.geometry.ag_of(BlockNo(off / BLOCK_SIZE)) {
+                changed.insert(g);
+                by_group.entry(g).or_default().push(off);
+            }
+        }
+        let mut batches: Vec<Mutation> = Vec::new();
+        let (mut maps, mut recs) = (Vec::new(), Vec::new());
+        for (g, map) in encode_maps(&a, &changed) {
+            let mine = by_group.remove(&AgId(g.0)).unwrap_or_default();
+            let mut chunks: Vec<&[u64]> = mine.chunks(RELEASED_PER_FOLD - 1).collect();
+            if chunks.is_empty() {
+                chunks.push(&[]);
+            }
+            for c in chunks {
+                if maps.len() + recs.len() + 1 + c.len() > RELEASED_PER_FOLD {
+                    batches.push(Mutation::FreeMaps {
+                        maps: std::mem::take(&mut maps),
+                        released: std::mem::take(&mut recs),
+                    });
+                }
+                maps.push((g, map.clone()));
+                recs.extend_from_slice(c);
+            }
+        }
+        if !maps.is_empty() {
+            batches.push(Mutation::FreeMaps {
+                maps,
+                released: recs,
+            });
+        }
         // Submitted under the allocator lock, so free-map writes commit in the order of
         // the allocator changes they describe.
-        if let Err(e) = self.meta.submit_blocking(Mutation::FreeMaps { maps }) {
-            log::error!("persisting free maps: {e}");
+        for m in batches {
+            if let Err(e) = self.meta.submit_blocking(m) {
+                log::error!("persisting free maps: {e}");
+            }
         }
     }
 
@@ -823,13 +921,41 @@ impl Inner {
         let Some(span) = self.geometry.ag_extent(AgId(g)) else {
             return Ok(false);
         };
-        let raw = run_read(&self.meta, move |kv, keys| {
+        let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
+        let (raw, records) = run_read(&self.meta, move |kv, keys| {
             Box::pin(async move {
                 let key = keys.free_map(GroupId(g));
                 let r = kv.range(RangeRequest::key(key)).await?;
-                Ok(r.kvs.into_iter().next().map(|kv| kv.value))
+                let map = r.kvs.into_iter().next();
+                let rr = keys.released_between(from, to);
+                let req = RangeRequest::range(rr.start, rr.end).limit(RELEASED_LOAD_MAX);
+                let rel = kv.range(req).await?;
+                Ok((map, rel.kvs))
             })
         })?;
+        // Released records written after the map are frees it cannot include (and their
+        // blocks cannot have been allocated since: an allocation writes the map in its own
+        // commit); older ones it includes unless a write encoded before the free landed
+        // after it, which at worst leaks those blocks: applying them could hand out blocks
+        // in use.
+        let map_rev = raw.as_ref().map_or(0, |kv| kv.mod_revision);
+        let raw = raw.map(|kv| kv.value);
+        let keys = self.meta.keys();
+        let mut apply = Vec::new();
+        let mut fold = Vec::new();
+        for kv in &records {
+            let Some(meta::keys::KeyKind::Released(off)) = keys.parse(&kv.key) else {
+                continue;
+            };
+            fold.push(off);
+            match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value) {
+                Ok(r) if kv.mod_revision > map_rev => {
+                    apply.push(Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE));
+                }
+                Ok(_) => {}
+                Err(e) => log::error!("{e}; left as it is"),
+            }
+        }
         let map = match raw {
             // Never written: nothing was ever allocated from the group.
             None => AgFreeMap::all_free(AgId(g), span),
@@ -846,13 +972,38 @@ impl Inner {
                 }
             },
         };
+        let mut map = map;
+        for e in apply {
+            map.free_lenient(e);
+        }
         let mut a = lock(&self.alloc);
         if a.load_group(map).is_err() {
             return Ok(false);
         }
         let mut owned = a.owned().clone();
         owned.insert(AgId(g));
-        Ok(a.set_owned(owned).is_ok())
+        if a.set_owned(owned).is_err() {
+            return Ok(false);
+        }
+        // The map with the records applied replaces them, in fenced commits of a bounded
+        // number of deletes each (every one writes the whole map).
+        let maps = encode_maps(&a, &BTreeSet::from([AgId(g)]));
+        let tickets: Vec<_> = fold
+            .chunks(RELEASED_PER_FOLD)
+            .map(|c| {
+                self.meta.submit_blocking(Mutation::FreeMaps {
+                    maps: maps.clone(),
+                    released: c.to_vec(),
+                })
+            })
+            .collect();
+        drop(a);
+        for t in tickets {
+            if let Err(e) = t.and_then(|t| t.wait()) {
+                log::warn!("folding released records into group {g}'s free map: {e}");
+            }
+        }
+        Ok(true)
     }
 
     fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
@@ -2116,6 +2267,16 @@ impl Inner {
         if dir && name == b".." {
             return Err(Errno::ENOTEMPTY);
         }
+        // What the caches know lets the pipeline commit without reading first; its
+        // compares catch a stale cache and the retry reads etcd.
+        let expect = match self.caches.lookup(parent, name) {
+            Lookup::Found(entry) => Some(Box::new(UnlinkExpect {
+                entry,
+                child: self.caches.attr(entry.ino.0),
+                parent: if dir { self.caches.attr(parent) } else { None },
+            })),
+            Lookup::Absent | Lookup::Unknown { .. } => None,
+        };
         let m = Mutation::Unlink {
             parent: Ino(parent),
             name: name.to_vec(),
@@ -2123,6 +2284,7 @@ impl Inner {
             // Orphan the inode if any file is open here; a file that turns out not to be
             // open is reclaimed right after (see after_commit).
             keep_open: !dir && !self.files.is_empty(),
+            expect,
         };
         self.commit(m)?;
         Ok(Done::Empty)

@@ -65,14 +65,20 @@ fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
 
 fn mount_with(kv: &Arc<MemEtcd>, dev: &MemDev, opts: &CacheOpts) -> EtcFs {
     let clock = Arc::new(SystemClock::new());
-    let (p, s) = Pipeline::start_with_session(
+    let p = Pipeline::start_deferred(
         connect_backend(kv.clone() as Arc<dyn KvBackend>),
         Keyspace::new("t").unwrap(),
-        SessionConfig::new("test"),
         clock,
         pipeline_config(),
     )
     .unwrap();
+    let geometry = super::check_filesystem(&p.client(), &Dev::Mem(dev.clone())).unwrap();
+    let s = p
+        .register_session_with(
+            &SessionConfig::new("test"),
+            Some(super::group_layout(&geometry)),
+        )
+        .unwrap();
     EtcFs::open_with(p, s, Dev::Mem(dev.clone()), opts, 4).unwrap()
 }
 
@@ -1134,4 +1140,121 @@ fn a_compacted_watch_history_drops_the_kernels_entries_of_what_was_cached() {
     // And the daemon answers from etcd again.
     assert_eq!(a.lookup(d, b"f0").nodeid, 0);
     assert_eq!(a.lookup(ROOT, b"late").nodeid, late);
+}
+
+/// Blocks freed by a commit whose free-map write never happened (the node died right
+/// after the unlink committed) are not lost: the unlink logged them as released records,
+/// and the next node to load the group applies them and folds them into the map.
+#[test]
+fn freed_blocks_survive_a_crash_before_the_free_map_write() {
+    let mut fx = Fx::new();
+    let free_in = |fs: &EtcFs| -> Vec<(super::AgId, u64)> {
+        let a = super::lock(&fs.inner().alloc);
+        a.owned()
+            .iter()
+            .map(|g| (*g, a.group(*g).map_or(0, |m| m.free_blocks())))
+            .collect()
+    };
+    let before = free_in(&fx.fs);
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(3, 20 * BLOCK_SIZE as usize));
+    fx.release(ino, fh);
+    let after = free_in(&fx.fs);
+    let used: Vec<_> = before
+        .iter()
+        .zip(&after)
+        .filter(|(b, a)| b.1 != a.1)
+        .map(|(b, _)| b.0)
+        .collect();
+    assert!(
+        !used.is_empty(),
+        "the write allocated: {before:?} {after:?}"
+    );
+    // Another node unlinks the file: this node never frees the blocks nor writes the map,
+    // exactly as if it had crashed after the freeing commit.
+    let other = Pipeline::start(
+        connect_backend(fx.kv.clone() as Arc<dyn KvBackend>),
+        Keyspace::new("t").unwrap(),
+        SessionId(77),
+        Arc::new(SystemClock::new()),
+        pipeline_config(),
+    )
+    .unwrap();
+    let out = other
+        .client()
+        .commit(meta::pipeline::Mutation::Unlink {
+            parent: meta::types::Ino(ROOT),
+            name: b"f".to_vec(),
+            dir: false,
+            keep_open: false,
+            expect: None,
+        })
+        .unwrap();
+    assert_eq!(out.removed, Some(meta::types::Ino(ino)));
+    assert!(!out.released.is_empty());
+    other.shutdown();
+    // The node "restarts": a new mount loads the groups (claiming them explicitly, as the
+    // new session may start claiming elsewhere).
+    let Fx { fs, kv, dev, .. } = fx;
+    fs.destroy();
+    drop(fs);
+    let fs = mount(&kv, &dev);
+    for g in &used {
+        fs.inner().try_claim(g.0).unwrap();
+    }
+    let a = super::lock(&fs.inner().alloc);
+    for (g, free) in &before {
+        if used.contains(g) {
+            assert_eq!(
+                a.group(*g).map(|m| m.free_blocks()),
+                Some(*free),
+                "group {g:?}"
+            );
+        }
+    }
+    drop(a);
+    // The records were folded into the map.
+    let left = super::run_read(&fs.inner().meta, |kv, keys| {
+        Box::pin(async move {
+            let r = keys.released_between(0, u64::MAX);
+            let req = meta::kv::RangeRequest::range(r.start, r.end);
+            Ok(kv.range(req).await?.kvs.len())
+        })
+    })
+    .unwrap();
+    assert_eq!(left, 0, "released records left");
+}
+
+/// On the normal path the free-map write that returns freed blocks also deletes their
+/// released records: truncate, punch and unlink leave none behind.
+#[test]
+fn frees_leave_no_released_records() {
+    let mut fx = Fx::new();
+    let free0 = fx.statfs().bfree;
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(5, 40 * BLOCK_SIZE as usize));
+    fx.truncate(ino, 30 * BLOCK_SIZE);
+    fx.ok(
+        ino,
+        Operation::Fallocate {
+            fh,
+            offset: 4 * BLOCK_SIZE,
+            length: 8 * BLOCK_SIZE,
+            mode: (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u32,
+        },
+    );
+    fx.release(ino, fh);
+    fx.ok(ROOT, Operation::Unlink { name: b"f" });
+    assert_eq!(fx.statfs().bfree, free0);
+    let meta = &fx.fs.inner().meta;
+    meta.flush(None).unwrap().wait().unwrap();
+    let left = super::run_read(meta, |kv, keys| {
+        Box::pin(async move {
+            let r = keys.released_between(0, u64::MAX);
+            let req = meta::kv::RangeRequest::range(r.start, r.end);
+            Ok(kv.range(req).await?.kvs.len())
+        })
+    })
+    .unwrap();
+    assert_eq!(left, 0, "released records left");
 }

@@ -85,7 +85,12 @@ fn accesses(p: &Plan) -> Vec<Access> {
                     c.key == put.key
                         && c.range_end.is_none()
                         && c.op == CompareOp::Equal
-                        && matches!(c.target, CompareTarget::ModRevision(r) if r > 0)
+                        && match &c.target {
+                            CompareTarget::ModRevision(r) => *r > 0,
+                            // A value compare fails on an absent key.
+                            CompareTarget::Value(_) => true,
+                            _ => false,
+                        }
                 });
                 out.push(Access {
                     start: put.key.clone(),
@@ -209,6 +214,8 @@ pub(crate) struct Committer {
     works: BTreeMap<u64, Work>,
     pool: VecDeque<(u64, u64)>,
     reserving: bool,
+    /// Whether any mutation has needed an inode number yet (reservation is lazy).
+    inos_wanted: bool,
     touches: HashMap<Ino, TouchEntry>,
     barriers: Vec<Barrier>,
     tasks: JoinSet<TaskDone>,
@@ -245,6 +252,7 @@ impl Committer {
             works: BTreeMap::new(),
             pool: VecDeque::new(),
             reserving: false,
+            inos_wanted: false,
             touches: HashMap::new(),
             barriers: Vec::new(),
             tasks: JoinSet::new(),
@@ -496,13 +504,19 @@ impl Committer {
     }
 
     fn plan_all(&mut self) {
-        // Keep a reservation ahead of demand so creates rarely wait for one.
+        // Keep a reservation ahead of demand so creates rarely wait for one, but only
+        // once something has asked for an inode number: a pipeline that never creates
+        // (a refused mount, mkfs, a read-only user) writes nothing to etcd.
         let waiting_inos = self
             .works
             .values()
             .filter(|w| w.m.needs_ino() && w.ino.is_none())
             .count() as u64;
-        if !self.reserving && self.pool_left() < self.cfg.ino_batch / 4 + waiting_inos {
+        self.inos_wanted |= waiting_inos > 0;
+        if self.inos_wanted
+            && !self.reserving
+            && self.pool_left() < self.cfg.ino_batch / 4 + waiting_inos
+        {
             self.reserving = true;
             self.add_work(
                 Mutation::ReserveInos {
@@ -542,6 +556,7 @@ impl Committer {
                 session: self.session,
                 new_ino: w.ino,
                 block_size: self.cfg.block_size,
+                groups: self.cfg.groups,
             };
             match plan(&w.m, &w.snap, &ctx) {
                 Planned::Ready(p) => {
@@ -893,6 +908,9 @@ impl Committer {
                 // new consistent view (ranges are re-read at that revision).
                 w.snap.clear();
                 w.snap_rev = resp.revision;
+                // What the submitter expected proved stale (or was not enough): plan from
+                // etcd from now on.
+                w.m.forget_expectation();
                 for c in &m.plan.compares {
                     if c.range_end.is_none() {
                         if let Some(r) = lookup(c) {

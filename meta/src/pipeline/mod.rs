@@ -24,7 +24,10 @@ use tokio::sync::Notify;
 
 use self::{commit::Request, ticket::ticket};
 pub use self::{
-    mutation::{DevRange, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet, XattrMode},
+    mutation::{
+        DevRange, GroupLayout, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet,
+        UnlinkExpect, XattrMode,
+    },
     own::{Origin, OwnCommits},
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},
     ticket::Ticket,
@@ -68,6 +71,8 @@ pub struct Config {
     pub block_size: u64,
     /// Reads (get/lookup/list) queued or running at once.
     pub reads_queued_max: usize,
+    /// Where the allocation groups lie (released ranges are logged per group).
+    pub groups: Option<GroupLayout>,
 }
 
 impl Default for Config {
@@ -85,6 +90,7 @@ impl Default for Config {
             ino_batch: 1024,
             block_size: 4096,
             reads_queued_max: 4096,
+            groups: None,
         }
     }
 }
@@ -215,10 +221,14 @@ impl Stats {
 
 pub use self::commit_types::Connect;
 
+/// Starts a deferred pipeline's committer: its session id and group layout.
+type StartCommitter = tokio::sync::oneshot::Sender<(SessionId, Option<GroupLayout>)>;
+
 /// Where the pipeline's session id comes from.
 enum SessionSource {
     Fixed(SessionId),
-    Register(SessionConfig),
+    /// Registered later ([`Pipeline::register_session`]); the committer starts then.
+    Deferred(tokio::sync::oneshot::Receiver<(SessionId, Option<GroupLayout>)>),
 }
 
 mod commit_types {
@@ -272,6 +282,10 @@ pub struct Pipeline {
     thread: Option<JoinHandle<()>>,
     runtime: tokio::runtime::Handle,
     backend: Arc<dyn KvBackend>,
+    keys: Keyspace,
+    clock: Arc<dyn Clock>,
+    /// Starts the committer of a deferred pipeline once its session is registered.
+    start_committer: std::sync::Mutex<Option<StartCommitter>>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -310,7 +324,7 @@ impl Pipeline {
         clock: Arc<dyn Clock>,
         cfg: Config,
     ) -> Result<Pipeline, MetaError> {
-        Self::start_inner(connect, keys, SessionSource::Fixed(session), clock, cfg).map(|(p, _)| p)
+        Self::start_inner(connect, keys, SessionSource::Fixed(session), clock, cfg)
     }
 
     /// Like [`Pipeline::start`], but first registers a node [`Session`] on the pipeline's
@@ -324,15 +338,76 @@ impl Pipeline {
         clock: Arc<dyn Clock>,
         cfg: Config,
     ) -> Result<(Pipeline, Session), MetaError> {
-        let (p, s) = Self::start_inner(
-            connect,
-            keys,
-            SessionSource::Register(session_cfg),
-            clock,
-            cfg,
-        )?;
-        let s = s.ok_or(MetaError::Unavailable("session was not registered".into()))?;
+        let p = Self::start_deferred(connect, keys, clock, cfg)?;
+        let s = p.register_session(&session_cfg)?;
         Ok((p, s))
+    }
+
+    /// Connects the backend and serves reads, but commits nothing until
+    /// [`Pipeline::register_session`]: a caller can check what etcd holds (is the prefix a
+    /// filesystem?) before this node leaves any trace there. Mutations submitted before
+    /// wait; dropping the pipeline unregistered discards them (`Closed`).
+    pub fn start_deferred(
+        connect: Connect,
+        keys: Keyspace,
+        clock: Arc<dyn Clock>,
+        cfg: Config,
+    ) -> Result<Pipeline, MetaError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let p = Self::start_inner(connect, keys, SessionSource::Deferred(rx), clock, cfg)?;
+        *p.start_committer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tx);
+        Ok(p)
+    }
+
+    /// Registers this node's [`Session`] (a lease and its member key) and starts committing
+    /// with its id. Only for a pipeline made by [`Pipeline::start_deferred`].
+    pub fn register_session(&self, session_cfg: &SessionConfig) -> Result<Session, MetaError> {
+        self.register_session_with(session_cfg, None)
+    }
+
+    /// [`Pipeline::register_session`], also setting [`Config::groups`] (known only once
+    /// the caller has read the filesystem's geometry).
+    pub fn register_session_with(
+        &self,
+        session_cfg: &SessionConfig,
+        groups: Option<GroupLayout>,
+    ) -> Result<Session, MetaError> {
+        let mut slot = self
+            .start_committer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let tx = slot
+            .take()
+            .ok_or(MetaError::Invalid("the pipeline already has a session"))?;
+        let (kv, keys, clock, scfg) = (
+            self.backend.clone(),
+            self.keys.clone(),
+            self.clock.clone(),
+            session_cfg.clone(),
+        );
+        let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
+        // Registered on the pipeline's runtime, so the keepalive task runs there.
+        self.runtime.spawn(async move {
+            let r = Session::register(kv, keys, &scfg, &*clock).await;
+            let _ = done_tx.send(r);
+        });
+        let s = done_rx
+            .recv()
+            .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
+        match s {
+            Ok(s) => {
+                tx.send((s.id(), groups))
+                    .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
+                Ok(s)
+            }
+            Err(e) => {
+                // Still unregistered: a later attempt may succeed.
+                *slot = Some(tx);
+                Err(e)
+            }
+        }
     }
 
     fn start_inner(
@@ -341,7 +416,7 @@ impl Pipeline {
         session: SessionSource,
         clock: Arc<dyn Clock>,
         cfg: Config,
-    ) -> Result<(Pipeline, Option<Session>), MetaError> {
+    ) -> Result<Pipeline, MetaError> {
         assert!(cfg.batch_ops_max >= 1 && cfg.batch_ops_max <= ETCD_TXN_OPS_MAX);
         assert!(cfg.txn_bytes_max <= ETCD_REQUEST_BYTES_MAX);
         assert!(cfg.txns_in_flight_max >= 1 && cfg.pending_max >= 1 && cfg.ino_batch >= 1);
@@ -352,6 +427,7 @@ impl Pipeline {
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
         let (n2, s2, k2, c2) = (notify.clone(), stats.clone(), keys.clone(), cfg.clone());
         let o2 = own.clone();
+        let clock2 = clock.clone();
         let thread = std::thread::Builder::new()
             .name("etcfs-meta".into())
             .spawn(move || {
@@ -372,31 +448,36 @@ impl Pipeline {
                         return;
                     }
                 };
-                let (id, registered) = match session {
-                    SessionSource::Fixed(id) => (id, None),
-                    SessionSource::Register(scfg) => {
-                        let reg = rt.block_on(Session::register(
-                            backend.clone(),
-                            k2.clone(),
-                            &scfg,
-                            &*clock,
-                        ));
-                        match reg {
-                            Ok(s) => (s.id(), Some(s)),
-                            Err(e) => {
-                                let _ = ready_tx.send(Err(e));
-                                return;
+                let _ = ready_tx.send(Ok((rt.handle().clone(), backend.clone())));
+                let mut c2 = c2;
+                let id = match session {
+                    SessionSource::Fixed(id) => id,
+                    // Reads spawned meanwhile run while this waits.
+                    SessionSource::Deferred(start) => match rt.block_on(start) {
+                        Ok((id, groups)) => {
+                            if groups.is_some() {
+                                c2.groups = groups;
                             }
+                            id
                         }
-                    }
+                        Err(_) => {
+                            // Dropped unregistered: commit nothing, and answer `Closed` to
+                            // whatever was or will be submitted (a dropped request answers
+                            // so) until every client is gone. Without the runtime, later
+                            // reads are dropped, which answers them too.
+                            drop(rt);
+                            for req in rx.iter() {
+                                drop(req);
+                            }
+                            return;
+                        }
+                    },
                 };
-                let committer =
-                    commit::Committer::new(backend.clone(), k2, clock, id, c2, s2, rx, n2, o2);
-                let _ = ready_tx.send(Ok((rt.handle().clone(), backend, registered)));
+                let committer = commit::Committer::new(backend, k2, clock2, id, c2, s2, rx, n2, o2);
                 rt.block_on(committer.run());
             })
             .map_err(|e| MetaError::Unavailable(format!("spawn pipeline thread: {e}")))?;
-        let (runtime, backend, registered) = ready_rx
+        let (runtime, backend) = ready_rx
             .recv()
             .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))??;
         let client = MetaClient {
@@ -404,21 +485,21 @@ impl Pipeline {
             notify,
             stats,
             own,
-            keys,
+            keys: keys.clone(),
             backend: backend.clone(),
             runtime: runtime.clone(),
             reads_queued: Arc::new(AtomicU64::new(0)),
             reads_queued_max: cfg.reads_queued_max as u64,
         };
-        Ok((
-            Pipeline {
-                client: Some(client),
-                thread: Some(thread),
-                runtime,
-                backend,
-            },
-            registered,
-        ))
+        Ok(Pipeline {
+            client: Some(client),
+            thread: Some(thread),
+            runtime,
+            backend,
+            keys,
+            clock,
+            start_committer: std::sync::Mutex::new(None),
+        })
     }
 
     /// A submitter handle.
@@ -445,6 +526,18 @@ impl Pipeline {
     }
 
     fn stop(&mut self) {
+        let unregistered = self
+            .start_committer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            .is_some();
+        if unregistered {
+            // Dropping the sender ends the thread; nothing was or will be committed, and a
+            // flush would wait for a committer that never runs.
+            self.client = None;
+            return;
+        }
         if let Some(c) = self.client.take() {
             if let Ok(t) = c.flush(None) {
                 let _ = t.wait();

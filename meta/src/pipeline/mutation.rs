@@ -1,7 +1,7 @@
 //! The typed mutations handlers submit, and what each reports back.
 
 use crate::{
-    codec::InodeAttr,
+    codec::{Dentry, InodeAttr},
     types::{FileType, GroupId, Ino, Revision, Timespec},
 };
 
@@ -81,6 +81,28 @@ pub struct DevRange {
     pub len: u64,
 }
 
+/// What an unlink/rmdir expects to find (see [`Mutation::Unlink::expect`]). Every part
+/// is only a guess: nothing fails on its strength alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnlinkExpect {
+    /// The entry the name holds.
+    pub entry: Dentry,
+    /// The child's attributes exactly as stored (their encoding is compared).
+    pub child: Option<InodeAttr>,
+    /// rmdir: the parent's attributes exactly as stored (its link count changes).
+    pub parent: Option<InodeAttr>,
+}
+
+/// Where the allocation groups lie on the device, in bytes: group `i` is
+/// `[start + i * size, start + (i + 1) * size)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupLayout {
+    /// Device offset of group 0.
+    pub start: u64,
+    /// Bytes per group.
+    pub size: u64,
+}
+
 /// One filesystem metadata change. Each is atomic on its own: it commits entirely in one
 /// etcd transaction or not at all.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,6 +141,11 @@ pub enum Mutation {
         /// This node still has the file open: on the last link, keep the inode with an
         /// orphan record owned by this session instead of deleting it.
         keep_open: bool,
+        /// What the submitter's caches say the name and inodes hold. When given, the plan
+        /// uses it instead of reading etcd and guards it with value compares, so an
+        /// unlink commits in one round trip; a stale expectation fails its compares and
+        /// the mutation is re-planned from what etcd holds (the expectation dropped).
+        expect: Option<Box<UnlinkExpect>>,
     },
     /// rename/renameat2.
     Rename {
@@ -187,6 +214,9 @@ pub enum Mutation {
     FreeMaps {
         /// `(group, encoded map)`.
         maps: Vec<(GroupId, Vec<u8>)>,
+        /// Device offsets of released records (`R`) these maps now include: deleted in the
+        /// same transaction.
+        released: Vec<u64>,
     },
     /// Delete an orphan inode (last close, or reclaim after its session died).
     ReclaimOrphan {
@@ -213,6 +243,13 @@ impl Mutation {
     /// Whether the pipeline must assign a fresh inode number before planning.
     pub fn needs_ino(&self) -> bool {
         matches!(self, Mutation::Create { .. })
+    }
+
+    /// Drops what the submitter expected (after it proved stale): the next plan reads.
+    pub fn forget_expectation(&mut self) {
+        if let Mutation::Unlink { expect, .. } = self {
+            *expect = None;
+        }
     }
 
     /// Short name for logs and stats.
@@ -250,6 +287,10 @@ pub struct Outcome {
     pub orphaned: Option<Ino>,
     /// Device ranges no longer referenced (return them to the allocator).
     pub freed: Vec<DevRange>,
+    /// The part of `freed` logged as released records (`R<dev_off>`, one per range, each
+    /// inside one group) in the same commit; the rest (a file with too many extents to
+    /// read in one transaction) is only reported.
+    pub released: Vec<DevRange>,
     /// Reserved inode numbers `[start, end)` (ReserveInos).
     pub inos: Option<(u64, u64)>,
     /// Timestamps this commit handed to the coalescer (written to etcd later): the inode,

@@ -13,18 +13,23 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::{
     codec::{
-        decode_at, Dentry, DirParent, Extent, InoCounter, InodeAttr, Owner, Record, SymlinkTarget,
-        XattrValue,
+        decode_at, Dentry, DirParent, Extent, InoCounter, InodeAttr, Owner, Record, Released,
+        SymlinkTarget, XattrValue,
     },
     error::MetaError,
     keys::Keyspace,
     kv::{Compare, KeyValue, RangeRequest, RangeResponse, TxnOp},
-    pipeline::mutation::{DevRange, Mutation, Outcome, RenameMode, TimeSet, XattrMode},
+    pipeline::mutation::{
+        DevRange, GroupLayout, Mutation, Outcome, RenameMode, TimeSet, UnlinkExpect, XattrMode,
+    },
     types::{name_is_valid, FileType, Ino, SessionId, Timespec, XATTR_NAME_LEN_MAX},
 };
 
 /// Most extents one SetExtents may touch (keeps one mutation well inside a txn).
 pub const EXTENTS_PER_MUTATION_MAX: usize = 48;
+/// Ops a plan may have after logging released ranges (the rest of a mutation adds a few;
+/// a transaction holds at most `ETCD_TXN_OPS_MAX`).
+const RELEASE_OPS_BUDGET: usize = 112;
 /// Deepest directory nesting the rename subtree check walks.
 pub const DIR_DEPTH_MAX: usize = 96;
 
@@ -103,6 +108,8 @@ pub struct PlanCtx<'a> {
     pub new_ino: Option<Ino>,
     /// Filesystem block size: truncation frees whole blocks only.
     pub block_size: u64,
+    /// Where allocation groups lie (released ranges are logged per group); `None`: one.
+    pub groups: Option<GroupLayout>,
 }
 
 /// A mutation's share of a transaction.
@@ -261,22 +268,91 @@ impl<'a> P<'a> {
             .push(TxnOp::delete_range(r.start, r.end, freed));
     }
 
-    /// Deletes an inode and everything hanging off it; extents are reported freed.
-    fn delete_inode_tree(&mut self, ino: Ino, kind: FileType) {
+    /// Deletes an inode and everything hanging off it; its extents are released (see
+    /// [`P::drop_extents`]). `no_extents`: the caller expects none (a file of size 0 from
+    /// a cache): proven by a range compare instead of a read.
+    fn delete_inode_tree(&mut self, ino: Ino, kind: FileType, no_extents: bool) -> R<()> {
         let k = self.keys();
+        if kind == FileType::Regular {
+            if no_extents {
+                let r = k.extents(ino);
+                self.compare(Compare::range_empty(r.start, r.end));
+            } else {
+                self.drop_extents(ino, 0)?;
+            }
+        }
         self.delete(k.inode(ino));
         self.delete_range(k.xattrs(ino), false);
         match kind {
             FileType::Symlink => self.delete(k.symlink(ino)),
             FileType::Directory => self.delete(k.dir_parent(ino)),
-            FileType::Regular => self.delete_range(k.extents(ino), true),
             _ => {}
         }
         self.plan.outcome.removed = Some(ino);
+        Ok(())
+    }
+
+    /// Deletes the extents of `ino` from file offset `from` on. Up to
+    /// [`EXTENTS_PER_MUTATION_MAX`] of them are read first and their device ranges logged
+    /// as released in this transaction (compared, so nothing read can change unseen);
+    /// beyond that the range is deleted blind and its ranges only reported freed.
+    fn drop_extents(&mut self, ino: Ino, from: u64) -> R<()> {
+        let k = self.keys();
+        let range = k.extents_between(ino, from, u64::MAX);
+        let req = extents_req(k, ino, from);
+        let resp = self.range(req)?;
+        if resp.more {
+            self.delete_range(range, true);
+            return Ok(());
+        }
+        for kv in &resp.kvs {
+            let Some(crate::keys::KeyKind::Extent(_, off)) = k.parse(&kv.key) else {
+                return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
+            };
+            let e = Extent::decode_value(off, &kv.value)
+                .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
+            self.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
+            self.release(DevRange {
+                dev_off: e.dev_off,
+                len: e.len,
+            });
+        }
+        // Nothing may have appeared in the range since it was read.
+        self.compare(Compare {
+            key: range.start.clone(),
+            range_end: Some(range.end.clone()),
+            op: crate::kv::CompareOp::Less,
+            target: crate::kv::CompareTarget::ModRevision(resp.revision + 1),
+        });
+        self.delete_range(range, false);
+        Ok(())
+    }
+
+    /// Logs a freed device range as `R` records (one per allocation group) in this
+    /// transaction, and reports it freed.
+    fn release(&mut self, r: DevRange) {
+        if r.len == 0 {
+            return;
+        }
+        let pieces = split_by_group(r, self.ctx.groups);
+        if self.plan.ops.len() + pieces.len() > RELEASE_OPS_BUDGET {
+            // Past the budget the mutation would not fit one transaction: only report it
+            // (the filesystem frees it after the commit, unlogged).
+            self.plan.outcome.freed.push(r);
+            return;
+        }
+        for piece in pieces {
+            self.put(
+                self.keys().released(piece.dev_off),
+                &Released { len: piece.len },
+            );
+            self.plan.outcome.released.push(piece);
+        }
+        self.plan.outcome.freed.push(r);
     }
 
     /// Drops one link of a non-directory: decrement, orphan, or delete.
-    fn drop_link(&mut self, mut attr: InodeAttr, keep_open: bool) {
+    fn drop_link(&mut self, mut attr: InodeAttr, keep_open: bool, no_extents: bool) -> R<()> {
         let k = self.keys();
         attr.ctime = self.ctx.now;
         if attr.nlink > 1 {
@@ -295,9 +371,42 @@ impl<'a> P<'a> {
             self.plan.outcome.orphaned = Some(attr.ino);
             self.plan.outcome.attr = Some(attr);
         } else {
-            self.delete_inode_tree(attr.ino, attr.kind);
+            self.delete_inode_tree(attr.ino, attr.kind, no_extents)?;
         }
+        Ok(())
     }
+}
+
+/// The read [`P::drop_extents`] plans from (one shape, so a prefetch is found again).
+fn extents_req(k: &Keyspace, ino: Ino, from: u64) -> RangeRequest {
+    let r = k.extents_between(ino, from, u64::MAX);
+    RangeRequest::range(r.start, r.end).limit(EXTENTS_PER_MUTATION_MAX as i64)
+}
+
+/// Cuts a device range at allocation-group boundaries (so each released record lies in
+/// one group and a group's records are one key range).
+fn split_by_group(r: DevRange, groups: Option<GroupLayout>) -> Vec<DevRange> {
+    let Some(g) = groups.filter(|g| g.size > 0) else {
+        return vec![r];
+    };
+    let mut out = Vec::new();
+    let (mut off, end) = (r.dev_off, r.dev_off.saturating_add(r.len));
+    while off < end {
+        let next = if off < g.start {
+            g.start
+        } else {
+            let i = (off - g.start) / g.size;
+            g.start
+                .saturating_add(i.saturating_add(1).saturating_mul(g.size))
+        };
+        let stop = next.min(end).max(off + 1);
+        out.push(DevRange {
+            dev_off: off,
+            len: stop - off,
+        });
+        off = stop;
+    }
+    out
 }
 
 fn check_name(name: &[u8]) -> R<()> {
@@ -347,7 +456,8 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             name,
             dir,
             keep_open,
-        } => plan_unlink(&mut p, *parent, name, *dir, *keep_open),
+            expect,
+        } => plan_unlink(&mut p, *parent, name, *dir, *keep_open, expect.as_deref()),
         Mutation::Rename {
             src_parent,
             src_name,
@@ -391,9 +501,9 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             *size_at_least,
             *touch_mtime,
         )
-        .map(|()| plan_free_maps(&mut p, free_maps)),
-        Mutation::FreeMaps { maps } => {
-            plan_free_maps(&mut p, maps);
+        .map(|()| plan_free_maps(&mut p, free_maps, &[])),
+        Mutation::FreeMaps { maps, released } => {
+            plan_free_maps(&mut p, maps, released);
             Ok(())
         }
         Mutation::ReclaimOrphan { ino } => plan_reclaim(&mut p, *ino),
@@ -522,46 +632,170 @@ fn plan_link(p: &mut P<'_>, ino: Ino, parent: Ino, name: &[u8]) -> R<()> {
     Ok(())
 }
 
-fn plan_unlink(p: &mut P<'_>, parent: Ino, name: &[u8], dir: bool, keep_open: bool) -> R<()> {
+/// A value the plan relies on and the compare that guards it: read from etcd (guarded by
+/// its mod revision) or taken from the submitter's expectation (guarded by its exact
+/// encoding, and never a reason to fail on its own).
+struct Known<T> {
+    val: T,
+    guard: Compare,
+    expected: bool,
+}
+
+/// Fails with `e` when every input of the decision was read; else asks to read the
+/// expected ones first (a failure must rest on what etcd holds, not on a cache's guess).
+fn fail_verified(e: MetaError, inputs: &[(bool, Vec<u8>)]) -> Stop {
+    let unverified: Vec<RangeRequest> = inputs
+        .iter()
+        .filter(|(expected, _)| *expected)
+        .map(|(_, key)| RangeRequest::key(key.clone()))
+        .collect();
+    if unverified.is_empty() {
+        Stop::Fail(e)
+    } else {
+        Stop::Need(unverified)
+    }
+}
+
+impl<'a> P<'a> {
+    /// The entry `name` in `parent`: as read, else as expected, else `Need`.
+    fn known_dentry(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        expect: Option<&Dentry>,
+    ) -> R<Option<Known<Dentry>>> {
+        let key = self.keys().dentry(parent, name);
+        if let (None, Some(d)) = (self.snap.key(&key), expect) {
+            return Ok(Some(Known {
+                val: *d,
+                guard: Compare::value(key, d.encode()),
+                expected: true,
+            }));
+        }
+        Ok(self.dentry(parent, name)?.map(|(d, rev)| Known {
+            val: d,
+            guard: Compare::mod_rev(key, rev),
+            expected: false,
+        }))
+    }
+
+    /// An inode's attributes: as read, else as expected (if about `ino`), else `Need`.
+    fn known_inode(&self, ino: Ino, expect: Option<&InodeAttr>) -> R<Option<Known<InodeAttr>>> {
+        let key = self.keys().inode(ino);
+        if let (None, Some(a)) = (self.snap.key(&key), expect.filter(|a| a.ino == ino)) {
+            return Ok(Some(Known {
+                val: a.clone(),
+                guard: Compare::value(key, a.encode()),
+                expected: true,
+            }));
+        }
+        Ok(self.inode(ino)?.map(|(a, rev)| Known {
+            val: a,
+            guard: Compare::mod_rev(key, rev),
+            expected: false,
+        }))
+    }
+
+    /// Whether the snapshot or the expectation answers for this inode.
+    fn inode_known(&self, ino: Ino, expect: Option<&InodeAttr>) -> bool {
+        self.snap.key(&self.keys().inode(ino)).is_some() || expect.is_some_and(|a| a.ino == ino)
+    }
+}
+
+/// unlink/rmdir. With a full expectation from the submitter's caches this reads nothing
+/// (one round trip: the commit); without one, it reads the entry, then the child (and
+/// for rmdir the parent and one entry of the child) in a second round.
+fn plan_unlink(
+    p: &mut P<'_>,
+    parent: Ino,
+    name: &[u8],
+    dir: bool,
+    keep_open: bool,
+    expect: Option<&UnlinkExpect>,
+) -> R<()> {
     check_name(name)?;
     let k = p.keys();
-    let (dentry, drev) = p
-        .dentry(parent, name)?
+    let dkey = k.dentry(parent, name);
+    let entry = p
+        .known_dentry(parent, name, expect.map(|e| &e.entry))?
         .ok_or(Stop::Fail(MetaError::NotFound))?;
-    let child = dentry.ino;
-    let (cattr, crev) = p.inode(child)?.ok_or_else(|| {
-        Stop::Fail(MetaError::Corrupt {
-            key: k.describe(&k.dentry(parent, name)),
-            reason: format!("entry points at missing inode {child}"),
-        })
+    let child = entry.val.ino;
+    let (child_exp, parent_exp) = (
+        expect.and_then(|e| e.child.as_ref()),
+        expect.and_then(|e| e.parent.as_ref()),
+    );
+    let entries = k.dentries(child);
+    let probe = RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
+    // Emptiness is proven by the range compare alone when the caller expected the
+    // entry; a failed compare drops the expectation and the retry reads the probe, so a
+    // non-empty directory still ends in NotEmpty.
+    let blind_empty = expect.is_some() && p.snap.range(&probe).is_none();
+    let mut need = Vec::new();
+    if !p.inode_known(child, child_exp) {
+        need.push(RangeRequest::key(k.inode(child)));
+        if !dir && entry.val.kind == FileType::Regular {
+            // Likely the last link: its extents are read (and released) in this round.
+            need.push(extents_req(k, child, 0));
+        }
+    }
+    if dir && entry.val.kind == FileType::Directory {
+        if !p.inode_known(parent, parent_exp) {
+            need.push(RangeRequest::key(k.inode(parent)));
+        }
+        if !blind_empty {
+            need.push(probe.clone());
+        }
+    }
+    p.need(&need)?;
+    let cattr = p.known_inode(child, child_exp)?.ok_or_else(|| {
+        fail_verified(
+            MetaError::Corrupt {
+                key: k.describe(&dkey),
+                reason: format!("entry points at missing inode {child}"),
+            },
+            &[(entry.expected, dkey.clone())],
+        )
     })?;
-    let is_dir = cattr.kind == FileType::Directory;
+    let inputs = [
+        (entry.expected, dkey.clone()),
+        (cattr.expected, k.inode(child)),
+    ];
+    let is_dir = cattr.val.kind == FileType::Directory;
     match (dir, is_dir) {
-        (true, false) => return Err(Stop::Fail(MetaError::NotDir)),
-        (false, true) => return Err(Stop::Fail(MetaError::IsDir)),
+        (true, false) => return Err(fail_verified(MetaError::NotDir, &inputs)),
+        (false, true) => return Err(fail_verified(MetaError::IsDir, &inputs)),
         _ => {}
     }
-    p.compare(Compare::mod_rev(k.dentry(parent, name), drev));
-    p.compare(Compare::mod_rev(k.inode(child), crev));
-    p.delete(k.dentry(parent, name));
+    p.compare(entry.guard.clone());
+    p.compare(cattr.guard.clone());
+    p.delete(dkey);
     p.plan.outcome.ino = Some(child);
     if is_dir {
-        let entries = k.dentries(child);
-        let probe = RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
-        p.need(&[probe.clone(), RangeRequest::key(k.inode(parent))])?;
-        if !p.range(probe)?.kvs.is_empty() {
-            return Err(Stop::Fail(MetaError::NotEmpty));
+        if !blind_empty {
+            // The probe may be missing when the entry's kind disagreed with the inode's.
+            p.need(std::slice::from_ref(&probe))?;
+            if !p.range(probe)?.kvs.is_empty() {
+                return Err(fail_verified(MetaError::NotEmpty, &inputs));
+            }
         }
-        let (mut pattr, prev) = p.inode(parent)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+        let pattr = p
+            .known_inode(parent, parent_exp)?
+            .ok_or_else(|| fail_verified(MetaError::NotFound, &inputs))?;
         p.compare(Compare::range_empty(entries.start, entries.end));
-        p.compare(Compare::mod_rev(k.inode(parent), prev));
+        p.compare(pattr.guard);
+        let mut pattr = pattr.val;
         pattr.nlink = pattr.nlink.saturating_sub(1).max(2);
         pattr.mtime = p.ctx.now;
         pattr.ctime = p.ctx.now;
         p.put(k.inode(parent), &pattr);
-        p.delete_inode_tree(child, FileType::Directory);
+        p.delete_inode_tree(child, FileType::Directory, true)?;
     } else {
-        p.drop_link(cattr, keep_open);
+        // A cached size of 0 means no extents (checked by a compare, not a read).
+        let no_extents = cattr.expected && cattr.val.size == 0;
+        if cattr.val.nlink <= 1 && !keep_open && !no_extents {
+            p.need(&[extents_req(k, child, 0)])?;
+        }
+        p.drop_link(cattr.val, keep_open, no_extents)?;
         p.plan.touch.push((parent, true));
     }
     Ok(())
@@ -710,9 +944,9 @@ fn plan_rename(
                     }
                     p.compare(Compare::range_empty(entries.start, entries.end));
                     *nlink.entry(dp).or_default() -= 1;
-                    p.delete_inode_tree(dattr.ino, FileType::Directory);
+                    p.delete_inode_tree(dattr.ino, FileType::Directory, true)?;
                 } else {
-                    p.drop_link(dattr, dst_keep_open);
+                    p.drop_link(dattr, dst_keep_open, false)?;
                 }
             }
             p.delete(k.dentry(sp, sn));
@@ -800,8 +1034,7 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
             let before = RangeRequest::range(k.extent(ino, 0), k.extent(ino, keep_to))
                 .descending()
                 .limit(1);
-            let after = k.extents_between(ino, keep_to, u64::MAX);
-            p.need(std::slice::from_ref(&before))?;
+            p.need(&[before.clone(), extents_req(k, ino, keep_to)])?;
             if let Some(kv) = p.range(before)?.kvs.first() {
                 let off = match k.parse(&kv.key) {
                     Some(crate::keys::KeyKind::Extent(_, off)) => off,
@@ -816,13 +1049,13 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
                     p.plan
                         .ops
                         .push(TxnOp::put(kv.key.clone(), trimmed.encode_value()));
-                    p.plan.outcome.freed.push(DevRange {
+                    p.release(DevRange {
                         dev_off: e.dev_off.saturating_add(keep),
                         len: e.len - keep,
                     });
                 }
             }
-            p.delete_range(after, true);
+            p.drop_extents(ino, keep_to)?;
         }
         a.size = size;
         a.mtime = now;
@@ -1024,7 +1257,9 @@ fn plan_extents(
             len: e.len,
         })
         .collect();
-    p.plan.outcome.freed = subtract(released, &reused);
+    for r in subtract(released, &reused) {
+        p.release(r);
+    }
     p.compare(Compare::mod_rev(k.inode(ino), irev));
     if let Some(s) = size_at_least {
         attr.size = attr.size.max(s);
@@ -1041,7 +1276,10 @@ fn plan_extents(
 
 /// Writes free maps, each fenced on this session owning the group (a node whose lease
 /// expired must not publish allocations from a group someone else may now own).
-fn plan_free_maps(p: &mut P<'_>, maps: &[(crate::types::GroupId, Vec<u8>)]) {
+fn plan_free_maps(p: &mut P<'_>, maps: &[(crate::types::GroupId, Vec<u8>)], released: &[u64]) {
+    for &off in released {
+        p.delete(p.keys().released(off));
+    }
     let k = p.keys();
     for (g, bytes) in maps {
         p.compare(Compare {
@@ -1064,6 +1302,7 @@ fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
     p.need(&[
         RangeRequest::key(k.orphan(ino)),
         RangeRequest::key(k.inode(ino)),
+        extents_req(k, ino, 0),
     ])?;
     let okv = p
         .kv(&k.orphan(ino))?
@@ -1079,7 +1318,7 @@ fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
             return Ok(());
         }
         p.compare(Compare::mod_rev(k.inode(ino), rev));
-        p.delete_inode_tree(ino, attr.kind);
+        p.delete_inode_tree(ino, attr.kind, false)?;
     }
     p.plan.outcome.ino = Some(ino);
     Ok(())

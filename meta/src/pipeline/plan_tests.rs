@@ -84,6 +84,10 @@ impl World {
             session: SessionId(9),
             new_ino: ino,
             block_size: 4096,
+            groups: Some(GroupLayout {
+                start: 0,
+                size: 1 << 20,
+            }),
         }
     }
 
@@ -203,6 +207,7 @@ fn unlink(parent: Ino, name: &str) -> Mutation {
         name: name.into(),
         dir: false,
         keep_open: false,
+        expect: None,
     }
 }
 
@@ -373,6 +378,7 @@ async fn unlink_open_file_leaves_orphan_then_reclaim() {
         name: b"f".to_vec(),
         dir: false,
         keep_open: true,
+        expect: None,
     };
     let o = w.run(m).await.unwrap();
     assert_eq!(o.orphaned, Some(f));
@@ -416,6 +422,7 @@ async fn rmdir_rules() {
         name: name.into(),
         dir: true,
         keep_open: false,
+        expect: None,
     };
     assert_eq!(w.run(rmdir("d")).await.unwrap_err(), MetaError::NotEmpty);
     w.create(Ino::ROOT, "f", FileType::Regular).await;
@@ -833,4 +840,227 @@ async fn lookup(w: &World, n: &str) -> Option<Dentry> {
     crate::reader::lookup(&w.kv, &w.keys, Ino::ROOT, n.as_bytes())
         .await
         .unwrap()
+}
+
+fn unlink_expecting(parent: Ino, name: &str, dir: bool, e: UnlinkExpect) -> Mutation {
+    Mutation::Unlink {
+        parent,
+        name: name.into(),
+        dir,
+        keep_open: false,
+        expect: Some(Box::new(e)),
+    }
+}
+
+#[tokio::test]
+async fn unlink_without_expectation_reads_twice_with_one_reads_less() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 4096, 1 << 20).await;
+    let g = w.create(Ino::ROOT, "g", FileType::Regular).await;
+    let (_, rounds) = w
+        .plan(&unlink(Ino::ROOT, "g"), &mut Snapshot::default())
+        .await;
+    assert_eq!(rounds, 2, "entry, then inode");
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: f,
+            kind: FileType::Regular,
+        },
+        child: w.inode(f).await,
+        parent: None,
+    };
+    let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 1, "a file with data: its extents are read");
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.removed, Some(f));
+    assert_eq!(o.freed.len(), 1);
+    assert_eq!(o.released, o.freed, "logged in the same txn");
+    assert!(w.exists(w.keys.released(1 << 20)).await);
+    // An empty file fully expected: nothing read.
+    let h = w.create(Ino::ROOT, "h", FileType::Regular).await;
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: h,
+            kind: FileType::Regular,
+        },
+        child: w.inode(h).await,
+        parent: None,
+    };
+    let (p, rounds) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "h", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert_eq!(rounds, 0);
+    assert_eq!(w.apply(&p.unwrap()).await.unwrap().removed, Some(h));
+    // Only the entry expected: one read (the inode).
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: g,
+            kind: FileType::Regular,
+        },
+        child: None,
+        parent: None,
+    };
+    let (p, rounds) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "g", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert_eq!(rounds, 1);
+    w.apply(&p.unwrap()).await.unwrap();
+}
+
+#[tokio::test]
+async fn stale_unlink_expectations_fail_compares_never_the_mutation() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let old = w.inode(f).await.unwrap();
+    // A link since: the expected attributes (nlink 1) would delete a linked inode.
+    w.run(Mutation::Link {
+        ino: f,
+        parent: Ino::ROOT,
+        name: b"g".to_vec(),
+    })
+    .await
+    .unwrap();
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: f,
+            kind: FileType::Regular,
+        },
+        child: Some(old.clone()),
+        parent: None,
+    };
+    let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err(), "stale nlink caught");
+    assert_eq!(w.inode(f).await.unwrap().nlink, 2);
+    // Wrong kind expected: the IsDir decision waits for what etcd holds.
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    let wrong = UnlinkExpect {
+        entry: Dentry {
+            ino: d,
+            kind: FileType::Directory,
+        },
+        child: w.inode(d).await,
+        parent: None,
+    };
+    let m = unlink_expecting(Ino::ROOT, "f", false, wrong);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert!(rounds >= 1);
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.attr.unwrap().nlink, 1);
+    // An expected entry that is gone: NotFound only after reading it.
+    let m = unlink_expecting(Ino::ROOT, "f", false, e);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err());
+    let mut m = m;
+    m.forget_expectation();
+    assert_eq!(w.run(m).await.unwrap_err(), MetaError::NotFound);
+}
+
+async fn rmdir_expect(w: &World, d: Ino) -> UnlinkExpect {
+    UnlinkExpect {
+        entry: Dentry {
+            ino: d,
+            kind: FileType::Directory,
+        },
+        child: w.inode(d).await,
+        parent: w.inode(Ino::ROOT).await,
+    }
+}
+
+#[tokio::test]
+async fn rmdir_with_expectation_proves_emptiness_by_compare() {
+    let mut w = World::new().await;
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    w.create(d, "x", FileType::Regular).await;
+    let m = unlink_expecting(Ino::ROOT, "d", true, rmdir_expect(&w, d).await);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err(), "non-empty caught");
+    let mut retry = m.clone();
+    retry.forget_expectation();
+    assert_eq!(w.run(retry).await.unwrap_err(), MetaError::NotEmpty);
+    w.run(unlink(d, "x")).await.unwrap();
+    let m = unlink_expecting(Ino::ROOT, "d", true, rmdir_expect(&w, d).await);
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.removed, Some(d));
+    assert_eq!(w.inode(Ino::ROOT).await.unwrap().nlink, 2);
+}
+
+/// Every mutation that drops extents logs their device ranges as released records in its
+/// own transaction (split at group boundaries), and FreeMaps deletes them.
+#[tokio::test]
+async fn freed_ranges_are_logged_in_the_freeing_txn() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    // Straddles the 1 MiB group boundary.
+    w.add_extent(f, 0, 16384, (1 << 20) - 8192).await;
+    w.add_extent(f, 16384, 8192, 4 << 20).await;
+    w.add_extent(f, 24576, 8192, 5 << 20).await;
+    // Punch the middle extent.
+    let punch = Mutation::SetExtents {
+        free_maps: Vec::new(),
+        ino: f,
+        off: 16384,
+        len: 8192,
+        extents: vec![],
+        size_at_least: None,
+        touch_mtime: true,
+    };
+    let o = w.run(punch).await.unwrap();
+    let r = |dev_off: u64, len: u64| DevRange { dev_off, len };
+    assert_eq!(o.released, vec![r(4 << 20, 8192)]);
+    // Truncate into the first extent: the trimmed tail and the last extent.
+    let t = Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            size: Some(4096),
+            ..SetAttr::default()
+        },
+    };
+    let o = w.run(t).await.unwrap();
+    assert_eq!(
+        o.released,
+        vec![
+            r((1 << 20) - 4096, 4096),
+            r(1 << 20, 8192),
+            r(5 << 20, 8192)
+        ]
+    );
+    // Re-extend (the test reuses device space freely) and unlink.
+    w.add_extent(f, 4096, 8192, 1 << 20).await;
+    let o = w.run(unlink(Ino::ROOT, "f")).await.unwrap();
+    assert_eq!(
+        o.released,
+        vec![r((1 << 20) - 8192, 4096), r(1 << 20, 8192)]
+    );
+    let logged = [
+        (1 << 20) - 8192,
+        (1 << 20) - 4096,
+        1 << 20,
+        4 << 20,
+        5 << 20,
+    ];
+    for off in logged {
+        assert!(w.exists(w.keys.released(off)).await, "R @{off}");
+    }
+    let fm = Mutation::FreeMaps {
+        maps: vec![],
+        released: logged.to_vec(),
+    };
+    w.run(fm).await.unwrap();
+    for off in logged {
+        assert!(!w.exists(w.keys.released(off)).await);
+    }
 }
