@@ -659,6 +659,10 @@ impl Inner {
     /// Commits a mutation and waits (on a waiter thread).
     fn commit(&self, m: Mutation) -> Result<Outcome, Errno> {
         let ns = NsChange::of(&m, &self.caches);
+        // A file this commit creates has no blocks: cache that, so a stat of it needs no
+        // extent read (unless some extent changed meanwhile, which the generation catches).
+        let new_file_blocks =
+            matches!(m, Mutation::Create { .. }).then(|| self.caches.blocks_gen());
         if let Mutation::SetAttr { ino, .. } = &m {
             // Its times are what it says (an explicit utimes may go back).
             self.caches.forget_times(ino.0);
@@ -674,6 +678,11 @@ impl Inner {
                     self.caches.forget_attr(ino.0);
                 }
                 self.own_namespace(&ns, &out);
+                if let (Some(gen), Some(ino), Some(a)) = (new_file_blocks, out.ino, &out.attr) {
+                    if a.kind == FileType::Regular {
+                        self.caches.fill_blocks(ino.0, 0, gen);
+                    }
+                }
                 Ok(out)
             }
             Err(e) => {

@@ -50,7 +50,9 @@ pub struct Config {
     pub batch_ops_max: usize,
     /// Estimated request bytes per transaction, ≤ etcd's `--max-request-bytes`.
     pub txn_bytes_max: usize,
-    /// Commit transactions in flight at once.
+    /// Commit transactions in flight at once. Few, so that mutations arriving while they
+    /// are out gather into the next transaction (one etcd write and one raft entry for
+    /// all of them) instead of each going alone the moment a slot is free.
     pub txns_in_flight_max: usize,
     /// Batched read transactions in flight at once.
     pub reads_in_flight_max: usize,
@@ -80,7 +82,7 @@ impl Default for Config {
         Config {
             batch_ops_max: ETCD_TXN_OPS_MAX,
             txn_bytes_max: ETCD_REQUEST_BYTES_MAX,
-            txns_in_flight_max: 8,
+            txns_in_flight_max: 2,
             reads_in_flight_max: 4,
             submit_queue_max: 4096,
             pending_max: 1024,
