@@ -354,8 +354,8 @@ fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
         !map.iter().any(|e| e.file_off == off)
     };
     if !consistent {
-        f.extents = None;
-        f.map_too_big = false;
+        // Kept while writes of this node are pending in it (see `Files::forget_extents`).
+        f.forget_extents();
     }
 }
 
