@@ -313,6 +313,49 @@ fn changes_on_one_mount_are_visible_on_another_despite_long_kernel_timeouts() {
     assert!(events > 0 && inval > 0);
 }
 
+/// Write-behind: appends are readable at once on the writing mount, reach another mount
+/// while the file stays open within the age bound (1 s) plus the watch, and at once at
+/// close.
+#[test]
+fn appends_reach_another_mount_within_the_age_bound_and_at_close() {
+    let Some(etcd) = prerequisites("write-behind") else {
+        return;
+    };
+    let mut c = Cluster::new(&etcd, "wb");
+    let a = c.mount("a", &[]);
+    let b = c.mount("b", &[]);
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let mut f = fs::File::create(a.join("log")).expect("create on a");
+    for chunk in data.chunks(100_000) {
+        f.write_all(chunk).expect("append on a");
+    }
+    assert_eq!(fs::read(a.join("log")).expect("read on a"), data);
+    assert_eq!(
+        fs::metadata(a.join("log")).expect("stat on a").len(),
+        data.len() as u64
+    );
+    let t0 = Instant::now();
+    while fs::read(b.join("log")).map_or(true, |d| d != data) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "open file's appends not on the other mount after {:?}",
+            t0.elapsed()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    loud(&format!(
+        "appends of an open file visible on the other mount after {:?}",
+        t0.elapsed()
+    ));
+    let more: Vec<u8> = (0..500_000u32).map(|i| (i % 13) as u8).collect();
+    f.write_all(&more).expect("append on a");
+    drop(f);
+    let all = [&data[..], &more[..]].concat();
+    within("appends after close", || {
+        fs::read(b.join("log")).is_ok_and(|d| d == all)
+    });
+}
+
 #[test]
 fn a_directory_larger_than_dir_names_max_answers_lookups() {
     let Some(etcd) = prerequisites("dir-names-max") else {
