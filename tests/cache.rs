@@ -11,7 +11,7 @@
 use std::{
     fs,
     io::Write as _,
-    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
+    os::unix::fs::{FileExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread,
@@ -325,16 +325,25 @@ fn appends_reach_another_mount_within_the_age_bound_and_at_close() {
     let a = c.mount("a", &[]);
     let b = c.mount("b", &[]);
     let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-    let mut f = fs::File::create(a.join("log")).expect("create on a");
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(a.join("log"))
+        .expect("create on a");
     for chunk in data.chunks(100_000) {
         f.write_all(chunk).expect("append on a");
     }
-    assert_eq!(fs::read(a.join("log")).expect("read on a"), data);
+    let t0 = Instant::now();
+    // Read back through the writing fd: another fd's close would commit (FLUSH).
+    let mut back = vec![0u8; data.len()];
+    f.read_exact_at(&mut back, 0).expect("read on a");
+    assert!(back == data, "appends read back on the writing mount");
     assert_eq!(
         fs::metadata(a.join("log")).expect("stat on a").len(),
         data.len() as u64
     );
-    let t0 = Instant::now();
     while fs::read(b.join("log")).map_or(true, |d| d != data) {
         assert!(
             t0.elapsed() < Duration::from_secs(5),

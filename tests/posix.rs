@@ -2951,11 +2951,7 @@ fn appends_then_truncate_punch_and_unlink_while_open() {
         f.write_all(c).expect("append");
     }
     assert_eq!(fs::metadata(&p).expect("stat").len(), data.len() as u64);
-    assert_same_bytes(
-        "appends before close",
-        &fs::read(&p).expect("read"),
-        &data,
-    );
+    assert_same_bytes("appends before close", &fs::read(&p).expect("read"), &data);
     let mut model = data.clone();
     run_ok(Command::new("truncate").args(["-s", "2000000", &ps]));
     model.truncate(2_000_000);
@@ -2965,7 +2961,8 @@ fn appends_then_truncate_punch_and_unlink_while_open() {
         &model,
     );
     let more = pattern(MIB as usize, 9);
-    f.write_all_at(&more, 2_000_000).expect("append after truncate");
+    f.write_all_at(&more, 2_000_000)
+        .expect("append after truncate");
     model.extend_from_slice(&more);
     ok(
         helper(&["fallocate", &ps, "3", "1000000", "1500000"]),

@@ -1498,9 +1498,16 @@ impl Inner {
         let plan = dplan::plan_write(&extents, size, off, len).map_err(|e| errno::plan(&e))?;
 
         // Allocate the holes (in the groups this node owns; claim more when they run out).
-        let goal = extents
-            .iter()
-            .rfind(|e| e.file_off < block_off)
+        // Next to the extent before the write: an append continues its file's extent (the
+        // range read above does not reach back to it; the cached map does).
+        let before = |m: &[FileExtent]| {
+            let i = m.partition_point(|e| e.file_off < block_off);
+            i.checked_sub(1).and_then(|i| m.get(i)).copied()
+        };
+        let goal = f
+            .extents
+            .as_deref()
+            .map_or_else(|| before(&extents), before)
             .map(|e| BlockNo((e.dev_off + e.len) / BLOCK_SIZE));
         let mut allocated: Vec<FileExtent> = Vec::new();
         for (hoff, hlen) in plan.holes() {
@@ -1793,10 +1800,9 @@ impl Inner {
         }
         st.wait_io(f);
         let r = match self.dev.io().flush() {
-            Ok(()) => self.commit_range(st.ino, f, &p).map_err(|e| {
+            Ok(()) => self.commit_range(st.ino, f, &p).inspect_err(|&e| {
                 // Unknown outcome (etcd unreachable): it may have been applied.
                 p.maybe_applied |= e == Errno::EIO;
-                e
             }),
             Err(e) => Err(errno::dev(&e)),
         };
@@ -2787,8 +2793,12 @@ fn clip(e: &FileExtent, off: u64, end: u64) -> FileExtent {
 /// Extents of `map` in the parts of `union` outside `range` (what a pending range newly
 /// covers when it grows to `union`).
 fn newly_covered(map: &[FileExtent], range: (u64, u64), union: (u64, u64)) -> usize {
-    files::overlapping(map, union.0, range.0 - union.0).len()
-        + files::overlapping(map, range.1, union.1 - range.1).len()
+    // `overlapping` of an empty range still finds the extent around its offset.
+    let count = |off: u64, len: u64| match len {
+        0 => 0,
+        _ => files::overlapping(map, off, len).len(),
+    };
+    count(union.0, range.0 - union.0) + count(range.1, union.1 - range.1)
 }
 
 /// The device offset of written data of the block at `file_off`, if any.

@@ -1278,3 +1278,32 @@ fn pending_writes_are_dropped_when_the_session_is_gone() {
     assert_eq!(fx.fs.inner().alloc_free_blocks(), before + 13);
     assert_eq!(committed(&fx, ino), (0, Vec::new()));
 }
+
+/// Appends after a commit stay pending: the committed extent before them does not count
+/// as one more the pending range covers (it did, and every append past the cap committed).
+#[test]
+fn appends_after_a_commit_stay_pending() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(1, BLOCK_SIZE as usize));
+    fx.ok(ino, Operation::Fsync { fh, datasync: true });
+    let n = 2 * super::PENDING_EXTENTS_MAX as u64;
+    for i in 1..=n {
+        fx.write(
+            ino,
+            fh,
+            i * BLOCK_SIZE,
+            &pattern(i as u8, BLOCK_SIZE as usize),
+        );
+    }
+    let (size, ext) = committed(&fx, ino);
+    assert_eq!(
+        (size, ext.len()),
+        (BLOCK_SIZE, 1),
+        "appends committed early"
+    );
+    fx.release(ino, fh);
+    let (size, ext) = committed(&fx, ino);
+    assert_eq!(size, (n + 1) * BLOCK_SIZE);
+    assert_eq!(ext.iter().map(|e| e.len).sum::<u64>(), size);
+}
