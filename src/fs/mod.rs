@@ -1839,9 +1839,10 @@ impl Inner {
     }
 
     /// The `SetExtents` of a pending change: the cached map of its range, merged, in
-    /// chunks of at most a mutation's extents. The free maps go with the first chunk, so
-    /// no committed extent points at blocks etcd calls free; each chunk raises the size
-    /// only to its own end, so a crash between chunks leaves a prefix.
+    /// chunks of at most a mutation's extents. The free maps of the groups allocated in go
+    /// with every chunk, so no committed extent points at blocks etcd calls free and every
+    /// chunk is fenced on the groups' ownership; each chunk raises the size only to its
+    /// own end, so a crash between chunks leaves a prefix.
     fn commit_range(
         &self,
         ino: u64,
@@ -1854,14 +1855,13 @@ impl Inner {
             .map(|e| clip(e, p.off, p.end))
             .collect();
         let merged = merge_extents(&clipped);
-        let free_maps = {
-            let a = lock(&self.alloc);
+        let groups = {
             let ext: Vec<Extent> = p
                 .allocated
                 .iter()
                 .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
                 .collect();
-            encode_maps(&a, &a.groups_of(&ext))
+            lock(&self.alloc).groups_of(&ext)
         };
         let chunks: Vec<&[FileExtent]> = if merged.is_empty() {
             vec![&[]]
@@ -1870,7 +1870,6 @@ impl Inner {
                 .chunks(meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX)
                 .collect()
         };
-        let mut free_maps = Some(free_maps);
         let mut outs = Vec::with_capacity(chunks.len());
         for (i, chunk) in chunks.iter().enumerate() {
             let c_off = match (i, chunk.first()) {
@@ -1888,7 +1887,9 @@ impl Inner {
                 extents: chunk.iter().map(to_meta_extent).collect(),
                 size_at_least: Some(p.size.min(c_end)),
                 touch_mtime: true,
-                free_maps: free_maps.take().unwrap_or_default(),
+                // Every chunk is fenced on this node still owning the groups; each
+                // carries the maps as they are now (a fresher copy than the last chunk's).
+                free_maps: encode_maps(&lock(&self.alloc), &groups),
             };
             outs.push(self.commit_locked(f, m)?);
         }
