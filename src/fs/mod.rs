@@ -16,7 +16,8 @@
 //!
 //! State kept per node (all bounded, see the limits below):
 //! * open regular files ([`files`]): the inode's attributes as this node last committed
-//!   them, its extent map, the open count, whether it was unlinked while open (orphan);
+//!   them, its extent map, the open count, whether it was unlinked while open (orphan),
+//!   and the allocating writes not yet committed (write-behind, below);
 //! * open directory handles: readdir cookie → name, to resume listings;
 //! * the block allocator of the groups this node owns.
 //!
