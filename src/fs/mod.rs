@@ -2378,7 +2378,12 @@ impl Inner {
             };
             // The replaced range holds only holes and the new extents (existing extents
             // between chunk pieces are passed back unchanged).
-            let mut within: Vec<FileExtent> = files::overlapping(&extents, c_off, c_len).to_vec();
+            // Cut to the range: with no hole to fill, the range is one block whose extent
+            // may reach past it (a mutation's extents must lie inside its range).
+            let mut within: Vec<FileExtent> = files::overlapping(&extents, c_off, c_len)
+                .iter()
+                .map(|e| clip(e, c_off, c_off + c_len))
+                .collect();
             within.extend(chunk.iter().copied());
             within.sort_by_key(|e| e.file_off);
             let m = Mutation::SetExtents {
