@@ -266,6 +266,15 @@ impl Files {
             .remove(&ino);
     }
 
+    /// Whether `ino` may have a pending change, without its lock (which a fast-path I/O
+    /// would then find taken). A WRITE that was answered is in the set.
+    pub(crate) fn is_dirty(&self, ino: u64) -> bool {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&ino)
+    }
+
     /// The files that may have a pending change.
     pub(crate) fn dirty(&self) -> Vec<u64> {
         self.dirty

@@ -1189,8 +1189,8 @@ impl Inner {
     fn release_file(&self, ino: u64) {
         // Pending writes commit while the file is still in the table (a failed attempt
         // stays pending for the next trigger); an orphan's are dropped at its last close.
-        let orphan = self.files.get(ino).is_some_and(|st| st.lock().orphaned);
-        if !orphan {
+        let dirty = self.files.is_dirty(ino);
+        if dirty && !self.files.get(ino).is_some_and(|st| st.lock().orphaned) {
             if let Err(e) = self.sync_pending(ino) {
                 log::warn!("committing pending writes of inode {ino} at release: {e}");
             }
@@ -1918,6 +1918,11 @@ impl Inner {
 
     /// Commits a file's pending change (fsync, FLUSH, RELEASE, setattr, syncfs, unmount).
     fn sync_pending(&self, ino: u64) -> Result<(), Errno> {
+        // Not even a moment of the file's lock when nothing is pending: a fast-path WRITE
+        // or READ that finds it taken goes to a waiter.
+        if !self.files.is_dirty(ino) {
+            return Ok(());
+        }
         let Some(st) = self.files.get(ino) else {
             return Ok(());
         };
