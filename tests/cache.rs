@@ -11,7 +11,7 @@
 use std::{
     fs,
     io::Write as _,
-    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
+    os::unix::fs::{FileExt as _, MetadataExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread,
@@ -311,6 +311,58 @@ fn changes_on_one_mount_are_visible_on_another_despite_long_kernel_timeouts() {
         "mount b: negative hits {neg}, watch events {events}, INVAL_ENTRY {inval}"
     ));
     assert!(events > 0 && inval > 0);
+}
+
+/// Write-behind: appends are readable at once on the writing mount, reach another mount
+/// while the file stays open within the age bound (1 s) plus the watch, and at once at
+/// close.
+#[test]
+fn appends_reach_another_mount_within_the_age_bound_and_at_close() {
+    let Some(etcd) = prerequisites("write-behind") else {
+        return;
+    };
+    let mut c = Cluster::new(&etcd, "wb");
+    let a = c.mount("a", &[]);
+    let b = c.mount("b", &[]);
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(a.join("log"))
+        .expect("create on a");
+    for chunk in data.chunks(100_000) {
+        f.write_all(chunk).expect("append on a");
+    }
+    let t0 = Instant::now();
+    // Read back through the writing fd: another fd's close would commit (FLUSH).
+    let mut back = vec![0u8; data.len()];
+    f.read_exact_at(&mut back, 0).expect("read on a");
+    assert!(back == data, "appends read back on the writing mount");
+    assert_eq!(
+        fs::metadata(a.join("log")).expect("stat on a").len(),
+        data.len() as u64
+    );
+    while fs::read(b.join("log")).map_or(true, |d| d != data) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "open file's appends not on the other mount after {:?}",
+            t0.elapsed()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    loud(&format!(
+        "appends of an open file visible on the other mount after {:?}",
+        t0.elapsed()
+    ));
+    let more: Vec<u8> = (0..500_000u32).map(|i| (i % 13) as u8).collect();
+    f.write_all(&more).expect("append on a");
+    drop(f);
+    let all = [&data[..], &more[..]].concat();
+    within("appends after close", || {
+        fs::read(b.join("log")).is_ok_and(|d| d == all)
+    });
 }
 
 #[test]

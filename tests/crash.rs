@@ -366,3 +366,71 @@ fn killed_daemon_exits_by_itself() {
          its FUSE connection was aborted through fusectl"
     );
 }
+
+/// Write-behind: appends fsync'd while their file stays open survive kill -9 byte for
+/// byte. Appends never fsync'd leave a prefix of what was written (at least what the
+/// 1 s age bound committed; past it the file ends or reads zeros, never other bytes), and
+/// the space the remount reports as used is the committed data's, give or take the
+/// pending bound (64 MiB).
+#[test]
+fn appends_after_kill9_fsynced_whole_unsynced_a_prefix() {
+    let Some(fs) = TestFs::new_or_skip("appends_after_kill9", None) else {
+        return;
+    };
+    let m = fs.mount("auto", &[]);
+    let synced = pattern(5 * MIB as usize + 777, 0x21);
+    let mut a = File::create(m.path("synced")).expect("create synced");
+    for c in synced.chunks(128 * 1024) {
+        a.write_all(c).expect("append");
+    }
+    a.sync_data().expect("fdatasync");
+    let avail0 = df_avail(&m.mnt);
+    let loose = pattern(20 * MIB as usize + 333, 0x5a);
+    let half = 10 * MIB as usize;
+    let mut b = File::create(m.path("loose")).expect("create loose");
+    for c in loose[..half].chunks(128 * 1024) {
+        b.write_all(c).expect("append");
+    }
+    // Past the age bound: the first half commits without fsync.
+    thread::sleep(Duration::from_millis(2500));
+    for c in loose[half..].chunks(128 * 1024) {
+        b.write_all(c).expect("append");
+    }
+    m.crash();
+    drop((a, b));
+
+    let m = fs.mount("auto", &[]);
+    assert_same_bytes(
+        "fsync'd appends",
+        &fs::read(m.path("synced")).expect("read synced"),
+        &synced,
+    );
+    let got = fs::read(m.path("loose")).expect("read loose");
+    assert!(
+        got.len() >= half && got.len() <= loose.len(),
+        "unsynced appends: {} bytes after the crash, {} written, {half} older than the age \
+         bound",
+        got.len(),
+        loose.len()
+    );
+    assert_same_bytes("the aged half", &got[..half], &loose[..half]);
+    if let Some(i) = (half..got.len()).find(|&i| got[i] != loose[i] && got[i] != 0) {
+        panic!("byte {i} after the crash is neither what was written nor zero");
+    }
+    let used = avail0.saturating_sub(df_avail(&m.mnt));
+    let committed = (got.len() as u64).next_multiple_of(4096);
+    loud(&format!(
+        "appends_after_kill9: {} of {} unsynced bytes survived; {} MiB in use for {} MiB \
+         committed",
+        got.len(),
+        loose.len(),
+        used >> 20,
+        committed >> 20
+    ));
+    assert!(
+        used <= committed + 64 * MIB,
+        "{} MiB in use after the crash for {} MiB of committed appends",
+        used >> 20,
+        committed >> 20
+    );
+}

@@ -2932,3 +2932,52 @@ fn core_operations_uring() {
 fn core_operations_devfuse() {
     core_operations("devfuse");
 }
+
+/// Write-behind (an allocating write's extents commit at close, fsync or within about a
+/// second): appends read back before close through another fd; a truncate and a punch by
+/// another process right after appends, while the writer keeps the file open; an unlink
+/// while appends are pending gives the space back at close.
+#[test]
+fn appends_then_truncate_punch_and_unlink_while_open() {
+    setup!(fs, m, "appends_then_truncate_punch_unlink");
+    let p = m.path("f");
+    let ps = s(&p);
+    let avail0 = df_avail(&m.mnt);
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .expect("create");
+    let data = pattern(3 * MIB as usize + 100, 3);
+    for c in data.chunks(64 * 1024 + 7) {
+        f.write_all(c).expect("append");
+    }
+    assert_eq!(fs::metadata(&p).expect("stat").len(), data.len() as u64);
+    assert_same_bytes("appends before close", &fs::read(&p).expect("read"), &data);
+    let mut model = data.clone();
+    run_ok(Command::new("truncate").args(["-s", "2000000", &ps]));
+    model.truncate(2_000_000);
+    assert_same_bytes(
+        "truncated right after appends",
+        &fs::read(&p).expect("read"),
+        &model,
+    );
+    let more = pattern(MIB as usize, 9);
+    f.write_all_at(&more, 2_000_000)
+        .expect("append after truncate");
+    model.extend_from_slice(&more);
+    ok(
+        helper(&["fallocate", &ps, "3", "1000000", "1500000"]),
+        "punch right after appends",
+    );
+    model[1_000_000..2_500_000].fill(0);
+    assert_eq!(fs::metadata(&p).expect("stat").len(), model.len() as u64);
+    assert_same_bytes("after the punch", &fs::read(&p).expect("read"), &model);
+    f.write_all_at(&pattern(4 * MIB as usize, 5), model.len() as u64)
+        .expect("append before unlink");
+    fs::remove_file(&p).expect("unlink while appends are pending");
+    drop(f);
+    assert_space_back(&m.mnt, avail0 - SPACE_SLACK, "unlink with appends pending");
+}

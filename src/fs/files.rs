@@ -1,5 +1,6 @@
 //! Open regular files: per inode, the attributes this node last committed, the cached
-//! extent map, the open count and the orphan flag.
+//! extent map, the open count, the orphan flag and the allocating writes not yet committed
+//! to etcd ([`Pending`], write-behind).
 //!
 //! The extent map is cached for as long as the file is open here, which is what lets READ
 //! and WRITE skip etcd. Today only this node changes a file it has open (the cluster
@@ -7,11 +8,12 @@
 //! revocation calls to drop a map that another node changed.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{
         atomic::{AtomicU32, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
     },
+    time::Instant,
 };
 
 use fusedev::errno::Errno;
@@ -41,6 +43,40 @@ pub(crate) struct FileInner {
     pub(crate) orphaned: bool,
     /// mtime of in-place overwrites not yet written to etcd.
     pub(crate) mtime_dirty: Option<Timespec>,
+    /// Allocating writes whose data is on the device (not yet flushed) and whose extents
+    /// and size are in `extents`/`attr` here but not yet in etcd. `extents` is never
+    /// dropped while this is set: it is the only record of where the data went.
+    pub(crate) pending: Option<Pending>,
+}
+
+/// The extent and size change of allocating writes not yet committed (write-behind): one
+/// block range, committed as one `SetExtents` after one device flush.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    /// Block-aligned file range the writes touched (the union of their block ranges).
+    pub(crate) off: u64,
+    pub(crate) end: u64,
+    /// Device blocks allocated for it (merged): the groups whose free maps commit with
+    /// it, and what is given back when it is dropped.
+    pub(crate) allocated: Vec<FileExtent>,
+    /// Bytes allocated (the 64 MiB bound of one commit).
+    pub(crate) allocated_bytes: u64,
+    /// The size the writes reached (`size_at_least` of the commit).
+    pub(crate) size: u64,
+    /// The size etcd held before the first of these writes (restored when dropped).
+    pub(crate) committed_size: u64,
+    /// Extents of the map that the range covered when it grew over them: an upper
+    /// bound on the extent keys the commit replaces (the pipeline caps a mutation's).
+    pub(crate) old_extents: usize,
+    /// When the first of these writes was acknowledged (the age trigger).
+    pub(crate) since: Instant,
+    /// The mtime of the last of these writes.
+    pub(crate) mtime: Timespec,
+    /// Failed commit attempts so far (bounded).
+    pub(crate) failures: u32,
+    /// A failed attempt may have been applied (etcd unavailable): its blocks must not be
+    /// given back when the change is dropped.
+    pub(crate) maybe_applied: bool,
 }
 
 impl FileInner {
@@ -52,7 +88,28 @@ impl FileInner {
         }
         self.attr = attr.clone();
         self.attr_rev = rev;
+        self.overlay_pending();
         true
+    }
+
+    /// Drops the cached map unless pending writes live in it (see [`Files::forget_extents`]).
+    pub(crate) fn forget_extents(&mut self) {
+        if self.pending.is_none() {
+            self.extents = None;
+            self.map_too_big = false;
+        }
+    }
+
+    /// Raises the attributes to what the pending writes reached: etcd does not know them
+    /// yet, and the kernel must never be told a smaller size than it acknowledged.
+    pub(crate) fn overlay_pending(&mut self) {
+        if let Some(p) = &self.pending {
+            self.attr.size = self.attr.size.max(p.size);
+            if self.attr.mtime < p.mtime {
+                self.attr.mtime = p.mtime;
+                self.attr.ctime = self.attr.ctime.max(p.mtime);
+            }
+        }
     }
 }
 
@@ -113,6 +170,20 @@ impl FileState {
 #[derive(Debug, Default)]
 pub(crate) struct Files {
     map: Mutex<HashMap<u64, (u32, Arc<FileState>)>>,
+    /// Open files that may hold a [`Pending`] change (bounded by the open files): what the
+    /// age trigger looks at instead of every open file. Lock order: a file's lock, then
+    /// this.
+    dirty: Mutex<HashSet<u64>>,
+}
+
+/// What [`Files::open_attr`] knows of an inode.
+pub(crate) enum OpenAttr {
+    /// Not open here: the caches or etcd answer.
+    NotOpen,
+    /// Open, but its lock is held (only from [`Files::try_open_attr`]): ask a waiter.
+    Busy,
+    /// The open file's attributes (with pending writes) and allocated 512-byte blocks.
+    Attr(InodeAttr, Option<u64>),
 }
 
 impl Files {
@@ -148,6 +219,7 @@ impl Files {
                 map_too_big: false,
                 orphaned: false,
                 mtime_dirty: None,
+                pending: None,
             }),
             io_in_flight: AtomicU32::new(0),
         });
@@ -178,23 +250,75 @@ impl Files {
         self.table().keys().copied().collect()
     }
 
-    /// The cached attributes and allocated 512-byte blocks of an open file, without
-    /// waiting (None when not open or busy: the caller reads etcd instead).
-    pub(crate) fn cached_attr(&self, ino: u64) -> Option<(InodeAttr, Option<u64>)> {
-        let st = self.get(ino)?;
-        let f = st.try_lock()?;
-        let mut attr = f.attr.clone();
-        if let Some(t) = f.mtime_dirty {
-            attr.mtime = t;
-            attr.ctime = t;
-        }
-        let blocks = f
-            .extents
-            .as_ref()
-            .map(|m| m.iter().map(|e| e.len / 512).sum());
-        Some((attr, blocks))
+    /// Notes that `ino` has a pending change (call holding its lock).
+    pub(crate) fn mark_dirty(&self, ino: u64) {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(ino);
     }
 
+    /// Forgets `ino` as dirty (call holding its lock, with its pending change gone).
+    pub(crate) fn clear_dirty(&self, ino: u64) {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&ino);
+    }
+
+    /// Whether `ino` may have a pending change, without its lock (which a fast-path I/O
+    /// would then find taken). A WRITE that was answered is in the set.
+    pub(crate) fn is_dirty(&self, ino: u64) -> bool {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&ino)
+    }
+
+    /// The files that may have a pending change.
+    pub(crate) fn dirty(&self) -> Vec<u64> {
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .copied()
+            .collect()
+    }
+
+    /// An open file's attributes, waiting for its lock (waiter threads only: a core must
+    /// not wait). An open file's attributes are the only right ones: the caches and etcd
+    /// lack its pending writes.
+    pub(crate) fn open_attr(&self, ino: u64) -> OpenAttr {
+        match self.get(ino) {
+            Some(st) => {
+                let f = st.lock();
+                let (a, b) = attr_of(&f);
+                OpenAttr::Attr(a, b)
+            }
+            None => OpenAttr::NotOpen,
+        }
+    }
+
+    /// [`Files::open_attr`] without waiting (cores): `Busy` when the lock is held.
+    pub(crate) fn try_open_attr(&self, ino: u64) -> OpenAttr {
+        let Some(st) = self.get(ino) else {
+            return OpenAttr::NotOpen;
+        };
+        let Some(f) = st.try_lock() else {
+            return OpenAttr::Busy;
+        };
+        let (a, b) = attr_of(&f);
+        OpenAttr::Attr(a, b)
+    }
+
+    /// The cached attributes and allocated 512-byte blocks of an open file, waiting for
+    /// its lock (waiter threads); None when it is not open here.
+    pub(crate) fn cached_attr(&self, ino: u64) -> Option<(InodeAttr, Option<u64>)> {
+        match self.open_attr(ino) {
+            OpenAttr::Attr(a, b) => Some((a, b)),
+            _ => None,
+        }
+    }
     /// Attributes committed at `rev` (ignored when the held ones are newer).
     pub(crate) fn update_attr(&self, ino: u64, attr: &InodeAttr, rev: i64) {
         if let Some(st) = self.get(ino) {
@@ -213,22 +337,40 @@ impl Files {
         }
     }
 
-    /// Drops a cached map (the inode was deleted, or another node changed it).
+    /// Drops a cached map (the inode was deleted, or another node changed it). A map
+    /// holding pending writes stays: it is the only record of where their data is, and
+    /// their commit (which replaces the range in etcd) comes within the age bound.
     pub(crate) fn forget_extents(&self, ino: u64) {
         if let Some(st) = self.get(ino) {
-            let mut f = st.lock();
-            f.extents = None;
-            f.map_too_big = false;
+            st.lock().forget_extents();
         }
     }
 
-    /// Whether FLUSH has an mtime to write (true when busy, to be safe).
-    pub(crate) fn has_dirty_mtime(&self, ino: u64) -> bool {
+    /// Whether FLUSH has something to write: an mtime or pending writes (true when busy,
+    /// to be safe).
+    pub(crate) fn has_dirty_state(&self, ino: u64) -> bool {
         match self.get(ino) {
-            Some(st) => st.try_lock().is_none_or(|f| f.mtime_dirty.is_some()),
+            Some(st) => st
+                .try_lock()
+                .is_none_or(|f| f.mtime_dirty.is_some() || f.pending.is_some()),
             None => false,
         }
     }
+}
+
+/// An open file's attributes as the kernel must see them (the mtime of in-place
+/// overwrites not yet written included) and its allocated 512-byte blocks.
+fn attr_of(f: &FileInner) -> (InodeAttr, Option<u64>) {
+    let mut attr = f.attr.clone();
+    if let Some(t) = f.mtime_dirty {
+        attr.mtime = t;
+        attr.ctime = t;
+    }
+    let blocks = f
+        .extents
+        .as_ref()
+        .map(|m| m.iter().map(|e| e.len / 512).sum());
+    (attr, blocks)
 }
 
 /// The extents of a sorted map that overlap `[off, off + len)`.

@@ -16,13 +16,26 @@
 //!
 //! State kept per node (all bounded, see the limits below):
 //! * open regular files ([`files`]): the inode's attributes as this node last committed
-//!   them, its extent map, the open count, whether it was unlinked while open (orphan);
+//!   them, its extent map, the open count, whether it was unlinked while open (orphan),
+//!   and the allocating writes not yet committed (write-behind, below);
 //! * open directory handles: readdir cookie → name, to resume listings;
 //! * the block allocator of the groups this node owns.
 //!
-//! Nothing another node needs lives only here: attributes and extents are committed
-//! before a reply claims them, except the mtime of in-place overwrites, which is written
-//! at FLUSH/FSYNC/RELEASE (as a page-cache filesystem writes it at writeback).
+//! Nothing another node needs lives only here for long: attributes and extents are
+//! committed before a reply claims them, except
+//! * the mtime of in-place overwrites, written at FLUSH/FSYNC/RELEASE (as a page-cache
+//!   filesystem writes it at writeback);
+//! * the extents and size of allocating writes (appends, holes, unwritten extents):
+//!   write-behind, as ext4's delayed commit with data=ordered. The WRITE is answered once
+//!   its data is written (not flushed); the open file's cached map and attributes show it
+//!   here at once, and the change ([`files::Pending`]) commits after one device flush at
+//!   fsync, FLUSH, RELEASE, syncfs and unmount, before anything that changes or reads the
+//!   file's extents or size through etcd (truncate, setattr, fallocate, punch), past
+//!   [`PENDING_BYTES_MAX`] or [`PENDING_EXTENTS_MAX`], and at most [`PENDING_AGE_MAX`]
+//!   after the first write (the housekeeping thread). Another node sees such a write at
+//!   close, fsync or within about a second; a crash loses at most what was pending (the
+//!   blocks were never published as allocated, so no space leaks but what another
+//!   commit's free map of the same group published).
 //!
 //! Kernel references (LOOKUP counts) need no table: inode numbers are never reused and
 //! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
@@ -77,7 +90,7 @@ use uring::AlignedBuf;
 
 use self::{
     cache::{CacheConfig, Caches, Lookup},
-    files::{FileState, Files},
+    files::{FileState, Files, OpenAttr, Pending},
     pool::Pool,
 };
 use crate::data::{
@@ -119,6 +132,20 @@ const RELEASED_LOAD_MAX: i64 = 4096;
 const RELEASED_PER_FOLD: usize = 96;
 /// How often the housekeeping thread reclaims dead nodes' orphans and claims groups.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the housekeeping thread looks for pending writes older than
+/// [`PENDING_AGE_MAX`].
+const HOUSEKEEPING_STEP: Duration = Duration::from_millis(200);
+/// Oldest a file's pending (write-behind) change gets before it commits: how late
+/// another node may see an allocating write of a file still open here.
+const PENDING_AGE_MAX: Duration = Duration::from_secs(1);
+/// Bytes allocated by one file's pending change before it commits: bounds what a crash
+/// loses and what one commit's flush waits for.
+const PENDING_BYTES_MAX: u64 = 64 << 20;
+/// Extents one pending change may replace or write (merged) before it commits, under the
+/// pipeline's per-mutation cap with room for one more write's pieces.
+const PENDING_EXTENTS_MAX: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX * 2 / 3;
+/// Commit attempts of one pending change before it is dropped (its writes then fail).
+const PENDING_RETRIES_MAX: u32 = 3;
 /// Largest file size (as ext4 with 4 KiB blocks: 16 TiB).
 const FILE_SIZE_MAX: u64 = 16 << 40;
 /// The statfs inode count: inode numbers are 64-bit and never reused; report 2^32.
@@ -582,13 +609,13 @@ fn node_name() -> String {
 /// (after a crash the old session's lease needs its TTL to expire first).
 fn housekeeping(inner: std::sync::Weak<Inner>) {
     loop {
-        let step = Duration::from_millis(200);
+        let step = HOUSEKEEPING_STEP;
         let mut waited = Duration::ZERO;
         while waited < HOUSEKEEPING_INTERVAL {
             std::thread::sleep(step);
             waited += step;
             match inner.upgrade() {
-                Some(i) if !i.stopping.load(Ordering::Acquire) => {}
+                Some(i) if !i.stopping.load(Ordering::Acquire) => i.commit_aged(),
                 _ => return,
             }
         }
@@ -1112,9 +1139,12 @@ impl Inner {
         match self.caches.lookup(parent, name) {
             Lookup::Absent => Some(Ok(self.negative_entry())),
             Lookup::Found(d) => {
-                let (attr, blocks) = match self.files.cached_attr(d.ino.0) {
-                    Some(v) => v,
-                    None => (self.caches.attr(d.ino.0)?, None),
+                // An open file's own state, never the caches' (they lack pending writes);
+                // a waiter answers when its lock is held.
+                let (attr, blocks) = match self.files.try_open_attr(d.ino.0) {
+                    OpenAttr::Attr(a, b) => (a, b),
+                    OpenAttr::Busy => return None,
+                    OpenAttr::NotOpen => (self.caches.attr(d.ino.0)?, None),
                 };
                 let blocks = self.blocks_local(&attr, blocks)?;
                 Some(Ok(done_bytes(&self.entry_out(&attr, blocks))))
@@ -1317,8 +1347,35 @@ impl Inner {
 
     /// Drops one open of a regular file; the last close of an orphan deletes it.
     fn release_file(&self, ino: u64) {
+        // Pending writes commit while the file is still in the table (a failed attempt
+        // stays pending for the next trigger); an orphan's are dropped at its last close.
+        let dirty = self.files.is_dirty(ino);
+        if dirty && !self.files.get(ino).is_some_and(|st| st.lock().orphaned) {
+            if let Err(e) = self.sync_pending(ino) {
+                log::warn!("committing pending writes of inode {ino} at release: {e}");
+            }
+        }
         if let Some(st) = self.files.close(ino) {
-            let orphan = st.lock().orphaned;
+            // The last close: nothing retries a change still pending after this.
+            let mut f = st.lock();
+            for _ in 0..PENDING_RETRIES_MAX {
+                if f.pending.is_none() || f.orphaned {
+                    break;
+                }
+                match self.commit_pending_locked(&st, &mut f) {
+                    Ok(outs) => {
+                        drop(f);
+                        outs.iter().for_each(|o| self.after_commit_unlocked(o));
+                        f = st.lock();
+                    }
+                    Err(e) => log::warn!("committing pending writes of inode {ino}: {e}"),
+                }
+            }
+            if let Some(p) = f.pending.take() {
+                self.drop_pending(ino, &mut f, p);
+            }
+            let orphan = f.orphaned;
+            drop(f);
             if orphan {
                 st.lock().mtime_dirty = None;
                 self.reclaim_orphan(Ino(ino));
@@ -1361,6 +1418,9 @@ impl Inner {
     }
 
     fn setattr(&self, ino: u64, a: &SetattrIn) -> Result<Done, Errno> {
+        // Pending writes commit first: their commit sets the size and mtime, which must
+        // come before this change (an explicit mtime after a copy's writes, a truncate).
+        self.sync_pending(ino)?;
         let v = a.valid;
         let mut set = SetAttr::default();
         if v & abi::FATTR_MODE != 0 {
@@ -1415,11 +1475,9 @@ impl Inner {
         }
         let out = self.commit(Mutation::SetAttr { ino: Ino(ino), set })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
-        let blocks = self
-            .files
-            .cached_attr(ino)
-            .and_then(|(_, b)| b)
-            .or_else(|| self.file_blocks(&attr));
+        // An open file's state holds writes pending since (its size is never smaller).
+        let (attr, blocks) = self.files.cached_attr(ino).unwrap_or((attr, None));
+        let blocks = blocks.or_else(|| self.file_blocks(&attr));
         Ok(done_bytes(&self.attr_out(&attr, blocks)))
     }
 
@@ -1428,6 +1486,7 @@ impl Inner {
     fn truncate(&self, st: &FileState, size: u64, mut set: SetAttr) -> Result<InodeAttr, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
+        let pending = self.commit_pending_locked(st, &mut f)?;
         let old = f.attr.size;
         if size < old && size % BLOCK_SIZE != 0 {
             let block = size - size % BLOCK_SIZE;
@@ -1458,6 +1517,7 @@ impl Inner {
             files::trim_extents(map, size.next_multiple_of(BLOCK_SIZE));
         }
         drop(f);
+        pending.iter().for_each(|o| self.after_commit_unlocked(o));
         self.after_commit_unlocked(&out);
         Ok(attr)
     }
@@ -1599,9 +1659,16 @@ impl Inner {
         let plan = dplan::plan_write(&extents, size, off, len).map_err(|e| errno::plan(&e))?;
 
         // Allocate the holes (in the groups this node owns; claim more when they run out).
-        let goal = extents
-            .iter()
-            .rfind(|e| e.file_off < block_off)
+        // Next to the extent before the write: an append continues its file's extent (the
+        // range read above does not reach back to it; the cached map does).
+        let before = |m: &[FileExtent]| {
+            let i = m.partition_point(|e| e.file_off < block_off);
+            i.checked_sub(1).and_then(|i| m.get(i)).copied()
+        };
+        let goal = f
+            .extents
+            .as_deref()
+            .map_or_else(|| before(&extents), before)
             .map(|e| BlockNo((e.dev_off + e.len) / BLOCK_SIZE));
         let mut allocated: Vec<FileExtent> = Vec::new();
         for (hoff, hlen) in plan.holes() {
@@ -1719,12 +1786,26 @@ impl Inner {
             }
             return reply_write(len);
         }
+        let merged = merge_extents(&new_map);
+        if f.extents.is_some() {
+            // Write-behind: the map and attributes here show the write now; etcd gets it
+            // with the file's next commit (see the module docs).
+            let range = (plan.block_off, plan.block_len);
+            let outs = self.add_pending(&st, &mut f, range, &merged, allocated, end, now)?;
+            let suid = kill_suid && f.attr.perm & 0o6000 != 0;
+            drop(f);
+            outs.iter().for_each(|o| self.after_commit_unlocked(o));
+            if suid {
+                self.kill_suid(ino)?;
+            }
+            return reply_write(len);
+        }
+        // A map too large to cache has no room for pending extents: commit now.
         // Invariant 1: the data is durable before an extent points at it.
         if let Err(e) = io.flush() {
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
-        let merged = merge_extents(&new_map);
         let free_maps = {
             let a = lock(&self.alloc);
             let ext: Vec<Extent> = allocated
@@ -1760,6 +1841,293 @@ impl Inner {
             self.kill_suid(ino)?;
         }
         reply_write(len)
+    }
+
+    /// Adds a written range to the file's pending change: `merged` (the range's new
+    /// mapping, sorted) into the cached map, the size and mtime into the attributes.
+    /// Commits what was pending first when this write would take one commit past the
+    /// extent bound, and everything when the allocated bytes pass theirs. The outcomes
+    /// of those commits are for [`Inner::after_commit_unlocked`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the pieces of one planned write, passed once"
+    )]
+    fn add_pending(
+        &self,
+        st: &FileState,
+        f: &mut files::FileInner,
+        (off, len): (u64, u64),
+        merged: &[FileExtent],
+        allocated: Vec<FileExtent>,
+        size: u64,
+        now: Timespec,
+    ) -> Result<Vec<Outcome>, Errno> {
+        let end = off + len;
+        let mut outs = Vec::new();
+        if let (Some(p), Some(map)) = (&f.pending, &f.extents) {
+            let (u_off, u_end) = (p.off.min(off), p.end.max(end));
+            let old = p.old_extents + newly_covered(map, (p.off, p.end), (u_off, u_end));
+            // Extents now in the union, plus this write's, plus the two it may split.
+            let new = files::overlapping(map, u_off, u_end - u_off).len() + merged.len() + 2;
+            let pieces = p.allocated.len() + allocated.len();
+            if [old, new, pieces].iter().any(|&n| n > PENDING_EXTENTS_MAX) {
+                match self.commit_pending_locked(st, f) {
+                    Ok(o) => outs = o,
+                    Err(e) => log::warn!("committing pending writes of inode {}: {e}", st.ino),
+                }
+            }
+        }
+        let Some(map) = f.extents.as_mut() else {
+            // A failed commit dropped the pending change, and the map with it.
+            self.unalloc(&allocated);
+            return Err(Errno::EIO);
+        };
+        let grown = match &f.pending {
+            Some(p) => newly_covered(map, (p.off, p.end), (p.off.min(off), p.end.max(end))),
+            None => files::overlapping(map, off, len).len(),
+        };
+        files::replace_range(map, off, len, merged);
+        merge_around(map, off, end);
+        if f.pending.is_none() {
+            self.files.mark_dirty(st.ino);
+        }
+        let committed_size = f.attr.size;
+        let p = f.pending.get_or_insert_with(|| Pending {
+            off,
+            end,
+            allocated: Vec::new(),
+            allocated_bytes: 0,
+            size,
+            committed_size,
+            old_extents: 0,
+            since: std::time::Instant::now(),
+            mtime: now,
+            failures: 0,
+            maybe_applied: false,
+        });
+        p.off = p.off.min(off);
+        p.end = p.end.max(end);
+        p.old_extents += grown;
+        p.size = p.size.max(size);
+        p.mtime = p.mtime.max(now);
+        for e in allocated {
+            p.allocated_bytes += e.len;
+            match p.allocated.last_mut() {
+                Some(l) if l.file_off + l.len == e.file_off && l.dev_off + l.len == e.dev_off => {
+                    l.len += e.len;
+                }
+                _ => p.allocated.push(e),
+            }
+        }
+        let full = p.allocated_bytes >= PENDING_BYTES_MAX;
+        // The commit's mtime (its own time) is later than any overwrite's.
+        f.mtime_dirty = None;
+        f.overlay_pending();
+        if full {
+            match self.commit_pending_locked(st, f) {
+                Ok(o) => outs.extend(o),
+                // The data is written and stays pending for the next trigger.
+                Err(e) => log::warn!("committing pending writes of inode {}: {e}", st.ino),
+            }
+        }
+        Ok(outs)
+    }
+
+    /// Commits the file's pending change, if any: waits for its fast-path I/O, flushes the
+    /// device (invariant: data durable before an extent points at it), then one
+    /// `SetExtents` over the pending range (more when its merged map exceeds a mutation)
+    /// with the size reached and the free maps of the groups allocated in. A failure
+    /// keeps it for the next trigger, up to [`PENDING_RETRIES_MAX`] attempts; a lost
+    /// session drops it at once (its groups may be another node's now). The outcomes are
+    /// for [`Inner::after_commit_unlocked`].
+    fn commit_pending_locked(
+        &self,
+        st: &FileState,
+        f: &mut files::FileInner,
+    ) -> Result<Vec<Outcome>, Errno> {
+        let Some(mut p) = f.pending.take() else {
+            return Ok(Vec::new());
+        };
+        if !(self.session_alive)() {
+            log::error!(
+                "dropping pending writes of inode {} (bytes {}..{}): this node's session is \
+                 gone",
+                st.ino,
+                p.off,
+                p.end
+            );
+            self.drop_pending(st.ino, f, p);
+            return Err(Errno::EIO);
+        }
+        st.wait_io(f);
+        let r = match self.dev.io().flush() {
+            Ok(()) => self.commit_range(st.ino, f, &p).inspect_err(|&e| {
+                // Unknown outcome (etcd unreachable): it may have been applied.
+                p.maybe_applied |= e == Errno::EIO;
+            }),
+            Err(e) => Err(errno::dev(&e)),
+        };
+        match r {
+            Ok(outs) => {
+                // The commit wrote its own (later) mtime.
+                f.mtime_dirty = None;
+                self.files.clear_dirty(st.ino);
+                Ok(outs)
+            }
+            Err(e) => {
+                p.failures += 1;
+                if p.failures >= PENDING_RETRIES_MAX {
+                    log::error!(
+                        "dropping pending writes of inode {} (bytes {}..{}) after {} failed \
+                         commits: {e}",
+                        st.ino,
+                        p.off,
+                        p.end,
+                        p.failures
+                    );
+                    self.drop_pending(st.ino, f, p);
+                } else {
+                    log::warn!(
+                        "commit of pending writes of inode {} failed ({e}); kept for a retry",
+                        st.ino
+                    );
+                    f.pending = Some(p);
+                    f.overlay_pending();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The `SetExtents` of a pending change: the cached map of its range, merged, in
+    /// chunks of at most a mutation's extents. The free maps of the groups allocated in go
+    /// with every chunk, so no committed extent points at blocks etcd calls free and every
+    /// chunk is fenced on the groups' ownership; each chunk raises the size only to its
+    /// own end, so a crash between chunks leaves a prefix.
+    fn commit_range(
+        &self,
+        ino: u64,
+        f: &mut files::FileInner,
+        p: &Pending,
+    ) -> Result<Vec<Outcome>, Errno> {
+        let map = f.extents.as_ref().ok_or(Errno::EIO)?;
+        let clipped: Vec<FileExtent> = files::overlapping(map, p.off, p.end - p.off)
+            .iter()
+            .map(|e| clip(e, p.off, p.end))
+            .collect();
+        let merged = merge_extents(&clipped);
+        let groups = {
+            let ext: Vec<Extent> = p
+                .allocated
+                .iter()
+                .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
+                .collect();
+            lock(&self.alloc).groups_of(&ext)
+        };
+        let chunks: Vec<&[FileExtent]> = if merged.is_empty() {
+            vec![&[]]
+        } else {
+            merged
+                .chunks(meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX)
+                .collect()
+        };
+        let mut outs = Vec::with_capacity(chunks.len());
+        for (i, chunk) in chunks.iter().enumerate() {
+            let c_off = match (i, chunk.first()) {
+                (0, _) | (_, None) => p.off,
+                (_, Some(e)) => e.file_off,
+            };
+            let c_end = chunks
+                .get(i + 1)
+                .and_then(|c| c.first())
+                .map_or(p.end, |e| e.file_off);
+            let m = Mutation::SetExtents {
+                ino: Ino(ino),
+                off: c_off,
+                len: c_end - c_off,
+                extents: chunk.iter().map(to_meta_extent).collect(),
+                size_at_least: Some(p.size.min(c_end)),
+                touch_mtime: true,
+                // Every chunk is fenced on this node still owning the groups; each
+                // carries the maps as they are now (a fresher copy than the last chunk's).
+                free_maps: encode_maps(&lock(&self.alloc), &groups),
+            };
+            outs.push(self.commit_locked(f, m)?);
+        }
+        if let Some(map) = f.extents.as_mut() {
+            files::replace_range(map, p.off, p.end - p.off, &merged);
+        }
+        Ok(outs)
+    }
+
+    /// Forgets a pending change that will never commit: its blocks go back to the
+    /// allocator (unless a failed attempt may have published them), the map is re-read
+    /// from etcd, and the size goes back to the committed one.
+    fn drop_pending(&self, ino: u64, f: &mut files::FileInner, p: Pending) {
+        if !p.maybe_applied {
+            self.unalloc(&p.allocated);
+        }
+        f.extents = None;
+        f.map_too_big = false;
+        f.attr.size = p.committed_size;
+        // The next etcd read of the attributes replaces them.
+        f.attr_rev = 0;
+        self.files.clear_dirty(ino);
+        self.caches.forget_blocks(ino);
+    }
+
+    /// Commits a file's pending change (fsync, FLUSH, RELEASE, setattr, syncfs, unmount).
+    fn sync_pending(&self, ino: u64) -> Result<(), Errno> {
+        // Not even a moment of the file's lock when nothing is pending: a fast-path WRITE
+        // or READ that finds it taken goes to a waiter.
+        if !self.files.is_dirty(ino) {
+            return Ok(());
+        }
+        let Some(st) = self.files.get(ino) else {
+            return Ok(());
+        };
+        let mut f = st.lock();
+        let outs = self.commit_pending_locked(&st, &mut f)?;
+        drop(f);
+        outs.iter().for_each(|o| self.after_commit_unlocked(o));
+        Ok(())
+    }
+
+    /// The age trigger (housekeeping): commits pending changes older than
+    /// [`PENDING_AGE_MAX`].
+    fn commit_aged(&self) {
+        for ino in self.files.dirty() {
+            let Some(st) = self.files.get(ino) else {
+                // Closed: the last close committed or dropped it.
+                self.files.clear_dirty(ino);
+                continue;
+            };
+            let mut f = st.lock();
+            let Some(p) = &f.pending else {
+                self.files.clear_dirty(ino);
+                continue;
+            };
+            if p.since.elapsed() < PENDING_AGE_MAX {
+                continue;
+            }
+            match self.commit_pending_locked(&st, &mut f) {
+                Ok(outs) => {
+                    drop(f);
+                    outs.iter().for_each(|o| self.after_commit_unlocked(o));
+                }
+                Err(e) => log::warn!("committing aged pending writes of inode {ino}: {e}"),
+            }
+        }
+    }
+
+    /// Free blocks of the groups this node owns (tests).
+    #[cfg(test)]
+    pub(crate) fn alloc_free_blocks(&self) -> u64 {
+        let a = lock(&self.alloc);
+        a.owned()
+            .iter()
+            .map(|g| a.group(*g).map_or(0, AgFreeMap::free_blocks))
+            .sum()
     }
 
     fn kill_suid(&self, ino: u64) -> Result<(), Errno> {
@@ -1813,6 +2181,9 @@ impl Inner {
             t.wait().map_err(|e| errno::meta(&e))?;
             return Ok(Done::Empty);
         }
+        // Pending writes first (their own flush, then their commit); the flush after is
+        // for the in-place overwrites since, which commit nothing.
+        self.sync_pending(ino)?;
         self.dev.io().flush().map_err(|e| errno::dev(&e))?;
         self.flush_mtime(ino);
         let t = self.meta.flush(None).map_err(|e| errno::meta(&e))?;
@@ -2110,6 +2481,10 @@ impl Inner {
     fn allocate(&self, st: &FileState, off: u64, end: u64, grow: bool) -> Result<Done, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
+        // Its extents are read back from etcd's view below: pending writes first.
+        for o in self.commit_pending_locked(st, &mut f)? {
+            self.after_commit_unlocked(&o);
+        }
         let b_off = off - off % BLOCK_SIZE;
         let b_end = end.next_multiple_of(BLOCK_SIZE);
         let extents = self.extents_for(&mut f, st.ino, b_off, b_end - b_off)?;
@@ -2168,7 +2543,12 @@ impl Inner {
             };
             // The replaced range holds only holes and the new extents (existing extents
             // between chunk pieces are passed back unchanged).
-            let mut within: Vec<FileExtent> = files::overlapping(&extents, c_off, c_len).to_vec();
+            // Cut to the range: with no hole to fill, the range is one block whose extent
+            // may reach past it (a mutation's extents must lie inside its range).
+            let mut within: Vec<FileExtent> = files::overlapping(&extents, c_off, c_len)
+                .iter()
+                .map(|e| clip(e, c_off, c_off + c_len))
+                .collect();
             within.extend(chunk.iter().copied());
             within.sort_by_key(|e| e.file_off);
             let m = Mutation::SetExtents {
@@ -2200,6 +2580,9 @@ impl Inner {
     fn punch(&self, st: &FileState, off: u64, end: u64) -> Result<Done, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
+        for o in self.commit_pending_locked(st, &mut f)? {
+            self.after_commit_unlocked(&o);
+        }
         let end = end.min(f.attr.size.max(off));
         if end <= off {
             return Ok(Done::Empty);
@@ -2337,7 +2720,8 @@ impl Inner {
             name: name.to_vec(),
         })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
-        let blocks = self.file_blocks(&attr);
+        let (attr, blocks) = self.files.cached_attr(ino).unwrap_or((attr, None));
+        let blocks = blocks.or_else(|| self.file_blocks(&attr));
         Ok(done_bytes(&self.entry_out(&attr, blocks)))
     }
 
@@ -2386,6 +2770,9 @@ impl Inner {
             return;
         }
         for ino in self.files.all() {
+            if let Err(e) = self.sync_pending(ino) {
+                log::error!("committing pending writes of inode {ino} at unmount: {e}");
+            }
             self.flush_mtime(ino);
         }
         if let Err(e) = self.dev.io().flush() {
@@ -2561,6 +2948,40 @@ fn merge_extents(v: &[FileExtent]) -> Vec<FileExtent> {
         }
     }
     out
+}
+
+/// Merges the extents of a sorted map around `[off, end)` (a write just replaced it) with
+/// their neighbours, so a stream of appends keeps one extent in the cached map.
+fn merge_around(map: &mut Vec<FileExtent>, off: u64, end: u64) {
+    let a = map.partition_point(|e| e.file_off + e.len < off);
+    let b = map.partition_point(|e| e.file_off <= end);
+    if b > a + 1 {
+        let merged = merge_extents(&map[a..b]);
+        map.splice(a..b, merged);
+    }
+}
+
+/// `e` cut to `[off, end)` (it overlaps it).
+fn clip(e: &FileExtent, off: u64, end: u64) -> FileExtent {
+    let s = e.file_off.max(off);
+    let t = (e.file_off + e.len).min(end);
+    FileExtent {
+        file_off: s,
+        len: t - s,
+        dev_off: e.dev_off + (s - e.file_off),
+        unwritten: e.unwritten,
+    }
+}
+
+/// Extents of `map` in the parts of `union` outside `range` (what a pending range newly
+/// covers when it grows to `union`).
+fn newly_covered(map: &[FileExtent], range: (u64, u64), union: (u64, u64)) -> usize {
+    // `overlapping` of an empty range still finds the extent around its offset.
+    let count = |off: u64, len: u64| match len {
+        0 => 0,
+        _ => files::overlapping(map, off, len).len(),
+    };
+    count(union.0, range.0 - union.0) + count(range.1, union.1 - range.1)
 }
 
 /// The device offset of written data of the block at `file_off`, if any.
@@ -2797,11 +3218,13 @@ impl EtcFs {
             // No per-inode table to shrink: see the module docs.
             Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
             Operation::Getattr { .. } => {
-                let local = self
-                    .inner
-                    .files
-                    .cached_attr(ino)
-                    .or_else(|| self.inner.caches.attr(ino).map(|a| (a, None)));
+                let local = match self.inner.files.try_open_attr(ino) {
+                    OpenAttr::Attr(a, b) => Some((a, b)),
+                    // Never the caches' attributes for an open file: they lack its
+                    // pending writes.
+                    OpenAttr::Busy => None,
+                    OpenAttr::NotOpen => self.inner.caches.attr(ino).map(|a| (a, None)),
+                };
                 if let Some((a, b)) = local {
                     if let Some(b) = self.inner.blocks_local(&a, b) {
                         return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
@@ -2915,21 +3338,25 @@ impl EtcFs {
                 Reply::Bytes(0)
             }
             Operation::Flush { .. } => {
-                if !self.inner.files.has_dirty_mtime(ino) {
+                if !self.inner.files.has_dirty_state(ino) {
                     return Reply::Bytes(0);
                 }
                 self.offload(ctx, out, move |i| {
+                    // close(2) reports a failed commit of pending writes.
+                    let r = i.sync_pending(ino);
                     i.flush_mtime(ino);
-                    Ok(Done::Empty)
+                    r.map(|()| Done::Empty)
                 })
             }
             Operation::Fsync { .. } => self.offload(ctx, out, move |i| i.fsync(ino, false)),
             Operation::Fsyncdir { .. } => self.offload(ctx, out, move |i| i.fsync(ino, true)),
             Operation::Syncfs => self.offload(ctx, out, move |i| {
+                let mut r = Ok(());
                 for f in i.files.all() {
+                    r = r.and(i.sync_pending(f));
                     i.flush_mtime(f);
                 }
-                i.fsync(FUSE_ROOT_ID, false)
+                r.and(i.fsync(FUSE_ROOT_ID, false))
             }),
             Operation::Setxattr { name, value, flags } => {
                 let (name, value) = (name.to_vec(), value.to_vec());

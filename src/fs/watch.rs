@@ -345,8 +345,15 @@ fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
     let consistent = if put {
         match meta::codec::Extent::decode_value(off, value) {
             Ok(e) => {
+                // Held when one cached extent maps the same range the same way (the cache
+                // merges neighbours that etcd keeps as separate keys).
                 let want = FileExtent::from(&e);
-                files::overlapping(map, off, 1).contains(&want)
+                files::overlapping(map, off, 1).iter().any(|c| {
+                    c.file_off <= want.file_off
+                        && c.file_off + c.len >= want.file_off + want.len
+                        && c.dev_off + (want.file_off - c.file_off) == want.dev_off
+                        && c.unwritten == want.unwritten
+                })
             }
             Err(_) => false,
         }
@@ -354,8 +361,8 @@ fn extent_changed(i: &Inner, ino: u64, off: u64, put: bool, value: &[u8]) {
         !map.iter().any(|e| e.file_off == off)
     };
     if !consistent {
-        f.extents = None;
-        f.map_too_big = false;
+        // Kept while writes of this node are pending in it (see `Files::forget_extents`).
+        f.forget_extents();
     }
 }
 
