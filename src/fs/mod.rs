@@ -1808,11 +1808,7 @@ impl Inner {
         }
         let free_maps = {
             let a = lock(&self.alloc);
-            let ext: Vec<Extent> = allocated
-                .iter()
-                .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
-                .collect();
-            encode_maps(&a, &a.groups_of(&ext))
+            encode_maps(&a, &groups_of(&a, &allocated))
         };
         let m = Mutation::SetExtents {
             ino: Ino(ino),
@@ -2016,14 +2012,7 @@ impl Inner {
             .map(|e| clip(e, p.off, p.end))
             .collect();
         let merged = merge_extents(&clipped);
-        let groups = {
-            let ext: Vec<Extent> = p
-                .allocated
-                .iter()
-                .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
-                .collect();
-            lock(&self.alloc).groups_of(&ext)
-        };
+        let groups = groups_of(&lock(&self.alloc), &p.allocated);
         let chunks: Vec<&[FileExtent]> = if merged.is_empty() {
             vec![&[]]
         } else {
@@ -2166,7 +2155,7 @@ impl Inner {
     fn unalloc(&self, allocated: &[FileExtent]) {
         let mut a = lock(&self.alloc);
         for e in allocated {
-            if let Err(err) = a.free(Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE)) {
+            if let Err(err) = a.free(device_blocks(e)) {
                 log::error!("returning blocks of a failed write: {err}");
             }
         }
@@ -2535,11 +2524,7 @@ impl Inner {
             };
             let free_maps = {
                 let a = lock(&self.alloc);
-                let ext: Vec<Extent> = chunk
-                    .iter()
-                    .map(|e| Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE))
-                    .collect();
-                encode_maps(&a, &a.groups_of(&ext))
+                encode_maps(&a, &groups_of(&a, &chunk))
             };
             // The replaced range holds only holes and the new extents (existing extents
             // between chunk pieces are passed back unchanged).
@@ -2915,6 +2900,17 @@ fn sized(data: Vec<u8>, size: u32) -> Result<Done, Errno> {
 }
 
 /// Encoded free maps of `groups` for etcd.
+/// The device blocks a file extent maps to.
+fn device_blocks(e: &FileExtent) -> Extent {
+    Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE)
+}
+
+/// The allocation groups the device blocks of `exts` lie in.
+fn groups_of(a: &Allocator, exts: &[FileExtent]) -> BTreeSet<AgId> {
+    let blocks: Vec<Extent> = exts.iter().map(device_blocks).collect();
+    a.groups_of(&blocks)
+}
+
 fn encode_maps(a: &Allocator, groups: &BTreeSet<AgId>) -> Vec<(GroupId, Vec<u8>)> {
     groups
         .iter()

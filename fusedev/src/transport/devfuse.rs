@@ -323,7 +323,6 @@ impl<'a> Worker<'a> {
                 }
                 self.recorder
                     .record_since(p.op, perf::Stage::DeviceIo, &p.started);
-                self.holds[idx] = None;
                 if let Some(written) = written {
                     return self.finish_write(idx, p, error, got, want, written);
                 }
@@ -520,7 +519,6 @@ impl<'a> Worker<'a> {
         }
         self.holds[idx] = plan.hold;
         if outstanding == 0 {
-            self.holds[idx] = None;
             return self.finish_write(idx, p, error, 0, want, plan.written);
         }
         self.slots[idx].state = SlotState::ReadingData {
@@ -545,6 +543,7 @@ impl<'a> Worker<'a> {
         want: usize,
         written: u32,
     ) {
+        self.holds[idx] = None;
         if error < 0 {
             return self.reply(idx, p, error, 0);
         }
