@@ -1529,7 +1529,37 @@ impl Inner {
         if let Mutation::SetAttr { ino, .. } = &m {
             self.caches.forget_times(ino.0);
         }
-        let out = match self.meta.commit(m) {
+        let r = self.meta.commit(m);
+        self.settle_locked(f, r)
+    }
+
+    /// [`Inner::commit_locked`] for a `SetExtents` that allocated from `groups`: their
+    /// maps are encoded and submitted under the allocator lock, so the pipeline (which
+    /// keeps one map's writes in submission order) commits them in the order of the
+    /// allocator changes they describe.
+    fn commit_allocation_locked(
+        &self,
+        f: &mut files::FileInner,
+        mut m: Mutation,
+        groups: &BTreeSet<AgId>,
+    ) -> Result<Outcome, Errno> {
+        let ticket = {
+            let a = lock(&self.alloc);
+            if let Mutation::SetExtents { free_maps, .. } = &mut m {
+                *free_maps = encode_maps(&a, groups);
+            }
+            self.meta.submit_blocking(m)
+        };
+        let r = ticket.and_then(|t| t.wait());
+        self.settle_locked(f, r)
+    }
+
+    fn settle_locked(
+        &self,
+        f: &mut files::FileInner,
+        r: Result<Outcome, MetaError>,
+    ) -> Result<Outcome, Errno> {
+        let out = match r {
             Ok(o) => o,
             Err(e) => {
                 self.caches.forget_attr(f.attr.ino.0);
@@ -1806,10 +1836,7 @@ impl Inner {
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
-        let free_maps = {
-            let a = lock(&self.alloc);
-            encode_maps(&a, &groups_of(&a, &allocated))
-        };
+        let groups = groups_of(&lock(&self.alloc), &allocated);
         let m = Mutation::SetExtents {
             ino: Ino(ino),
             off: plan.block_off,
@@ -1817,9 +1844,9 @@ impl Inner {
             extents: merged.iter().map(to_meta_extent).collect(),
             size_at_least: Some(end),
             touch_mtime: true,
-            free_maps,
+            free_maps: Vec::new(),
         };
-        let out = match self.commit_locked(&mut f, m) {
+        let out = match self.commit_allocation_locked(&mut f, m, &groups) {
             Ok(o) => o,
             Err(e) => {
                 self.unalloc(&allocated);
@@ -2039,9 +2066,9 @@ impl Inner {
                 touch_mtime: true,
                 // Every chunk is fenced on this node still owning the groups; each
                 // carries the maps as they are now (a fresher copy than the last chunk's).
-                free_maps: encode_maps(&lock(&self.alloc), &groups),
+                free_maps: Vec::new(),
             };
-            outs.push(self.commit_locked(f, m)?);
+            outs.push(self.commit_allocation_locked(f, m, &groups)?);
         }
         if let Some(map) = f.extents.as_mut() {
             files::replace_range(map, p.off, p.end - p.off, &merged);
@@ -2522,10 +2549,7 @@ impl Inner {
                 (Some(a), Some(b)) => (a.file_off, b.file_off + b.len - a.file_off),
                 _ => (b_off, BLOCK_SIZE),
             };
-            let free_maps = {
-                let a = lock(&self.alloc);
-                encode_maps(&a, &groups_of(&a, &chunk))
-            };
+            let groups = groups_of(&lock(&self.alloc), &chunk);
             // The replaced range holds only holes and the new extents (existing extents
             // between chunk pieces are passed back unchanged).
             // Cut to the range: with no hole to fill, the range is one block whose extent
@@ -2543,9 +2567,9 @@ impl Inner {
                 extents: within.iter().map(to_meta_extent).collect(),
                 size_at_least,
                 touch_mtime: false,
-                free_maps,
+                free_maps: Vec::new(),
             };
-            let out = match self.commit_locked(&mut f, m) {
+            let out = match self.commit_allocation_locked(&mut f, m, &groups) {
                 Ok(o) => o,
                 Err(e) => {
                     self.unalloc(&chunk);

@@ -615,6 +615,25 @@ impl Committer {
 
     fn launch_txns(&mut self) {
         let mut blocked: Vec<Access> = Vec::new();
+        // Free-map writes of works not planned yet: later works writing the same map wait
+        // for them (see `Mutation::free_map_groups`).
+        let unplanned: Vec<(u64, Vec<Access>)> = self
+            .works
+            .iter()
+            .filter(|(_, w)| matches!(w.st, St::Plan | St::Reading))
+            .map(|(&id, w)| {
+                let acc: Vec<Access> =
+                    w.m.free_map_groups()
+                        .map(|g| Access {
+                            start: self.keys.free_map(g),
+                            end: None,
+                            kind: AKind::WriteExist,
+                        })
+                        .collect();
+                (id, acc)
+            })
+            .filter(|(_, acc)| !acc.is_empty())
+            .collect();
         let ready: Vec<u64> = self
             .works
             .iter()
@@ -627,13 +646,19 @@ impl Committer {
             let (mut n_cmp, mut n_ops, mut bytes) = (0usize, 0usize, 0usize);
             let mut batch_acc: Vec<Access> = Vec::new();
             let mut skipped: Vec<u64> = Vec::new();
+            // Accesses of works skipped for this batch: later works touching the same
+            // keys are skipped too, so they cannot commit ahead of them.
+            let mut deferred: Vec<Access> = Vec::new();
             for id in ready.by_ref() {
                 let Some(w) = self.works.get(&id) else {
                     continue;
                 };
                 let St::Ready(p, acc) = &w.st else { continue };
-                let busy =
-                    self.inflight.iter().any(|(_, a)| conflict(a, acc)) || conflict(&blocked, acc);
+                let busy = self.inflight.iter().any(|(_, a)| conflict(a, acc))
+                    || conflict(&blocked, acc)
+                    || unplanned
+                        .iter()
+                        .any(|(earlier, a)| *earlier < id && conflict(a, acc));
                 if busy {
                     // Keep submission order among conflicting mutations: later ones that
                     // touch the same keys wait behind this one.
@@ -643,8 +668,13 @@ impl Committer {
                 let fits = n_cmp + p.compares.len() <= self.cfg.batch_ops_max
                     && n_ops + p.ops.len() <= self.cfg.batch_ops_max
                     && bytes + plan_bytes(p) <= self.cfg.txn_bytes_max;
-                if conflict(&batch_acc, acc) || !fits || (w.solo && !members.is_empty()) {
+                if conflict(&batch_acc, acc)
+                    || conflict(&deferred, acc)
+                    || !fits
+                    || (w.solo && !members.is_empty())
+                {
                     skipped.push(id);
+                    deferred.extend(acc.iter().cloned());
                     if !fits {
                         break;
                     }

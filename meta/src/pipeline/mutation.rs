@@ -252,6 +252,18 @@ impl Mutation {
         }
     }
 
+    /// Groups whose free map this mutation writes. Known before planning, so the
+    /// pipeline can keep those writes in submission order even while an earlier one is
+    /// still reading (an older map committed last would show blocks in use as free).
+    pub fn free_map_groups(&self) -> impl Iterator<Item = GroupId> + '_ {
+        let maps: &[(GroupId, Vec<u8>)] = match self {
+            Mutation::SetExtents { free_maps, .. } => free_maps,
+            Mutation::FreeMaps { maps, .. } => maps,
+            _ => &[],
+        };
+        maps.iter().map(|(g, _)| *g)
+    }
+
     /// Short name for logs and stats.
     pub fn kind_name(&self) -> &'static str {
         match self {
