@@ -21,7 +21,7 @@ pub mod ring;
 pub mod slab;
 pub mod wake;
 
-pub use buf::AlignedBuf;
+pub use buf::{AlignedBuf, HugeArena};
 pub use ring::{Completion, Ring, RingConfig};
 pub use slab::InFlight;
 pub use wake::Waker;

@@ -12,7 +12,7 @@ use std::{
 };
 
 use io_uring::{opcode, squeue, types};
-use uring::{cpu, AlignedBuf, Ring, RingConfig, Waker};
+use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, Waker};
 
 use crossbeam_channel::Sender;
 
@@ -157,10 +157,24 @@ impl<'a> Worker<'a> {
             }
         };
         let size = shared.negotiated.payload_max() + REQUEST_HEADER_ROOM;
+        // Request and reply buffers in huge pages: device transfers to and from them are
+        // then contiguous (see `uring::buf`).
+        let (in_len, out_len) = (REQUEST_AT + size, ARGS_AT + size);
+        let mut arena = HugeArena::new(HugeArena::size_for(depth, in_len.max(out_len)) * 2)
+            .map_err(|e| {
+                log::warn!("devfuse worker {core}: no arena for buffers ({e}); using the heap")
+            })
+            .ok();
+        let mut buf = |len: usize| {
+            arena
+                .as_mut()
+                .and_then(|a| a.carve(len))
+                .unwrap_or_else(|| AlignedBuf::new(len))
+        };
         let slots: Vec<Slot> = (0..depth)
             .map(|_| Slot {
-                inbuf: AlignedBuf::new(REQUEST_AT + size),
-                out: AlignedBuf::new(ARGS_AT + size),
+                inbuf: buf(in_len),
+                out: buf(out_len),
                 pipe: make_pipe()
                     .map_err(|e| log::warn!("no splice pipe: {e}"))
                     .ok(),

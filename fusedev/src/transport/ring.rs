@@ -14,7 +14,7 @@ use std::{
 };
 
 use io_uring::{opcode, squeue::Entry128, types};
-use uring::{cpu, AlignedBuf, Ring, RingConfig, Waker};
+use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, Waker};
 
 use crossbeam_channel::Sender;
 
@@ -195,11 +195,23 @@ impl<'a> Worker<'a> {
             }
         };
         let payload_len = shared.negotiated.payload_max();
+        // Payloads in huge pages: a READ or WRITE's device transfer is then one contiguous
+        // segment (see `uring::buf`).
+        let mut arena = match HugeArena::new(HugeArena::size_for(entries_max, payload_len)) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                log::warn!("ring worker {core}: no arena for payloads ({e}); using the heap");
+                None
+            }
+        };
         let mut entries: Vec<Entry> = Vec::with_capacity(entries_max);
         for &qid in queues {
             for _ in 0..entries_per_queue {
                 let mut header = AlignedBuf::new(HEADER_LEN);
-                let mut payload = AlignedBuf::new(payload_len);
+                let mut payload = arena
+                    .as_mut()
+                    .and_then(|a| a.carve(payload_len))
+                    .unwrap_or_else(|| AlignedBuf::new(payload_len));
                 let iov = Box::new([
                     libc::iovec {
                         iov_base: header.as_mut_ptr().cast(),
