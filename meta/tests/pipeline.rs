@@ -782,3 +782,90 @@ async fn free_map_writes_commit_in_submission_order() {
         .unwrap();
     assert_eq!(now.kvs[0].value, b"newer");
 }
+
+/// A file with more extents than one transaction can log as released is unlinked through
+/// the orphan path and reclaimed in chunks: every freed range is logged (so a crash cannot
+/// leak it), and the orphan record stays until the last chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_file_is_reclaimed_in_logged_chunks() {
+    use meta::{codec::Extent, kv::RangeRequest};
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p = start(kv.clone(), &keys, 1, c, Config::default());
+    let client = p.client();
+    let f = client
+        .commit(create(Ino::ROOT, "big", FileType::Regular))
+        .unwrap()
+        .ino
+        .unwrap();
+    // 70 one-block extents, every other block on the device (none merge).
+    let n = 70u64;
+    let ext = |i: u64| Extent {
+        file_off: i * 4096,
+        len: 4096,
+        dev_off: (1 << 20) + i * 8192,
+        unwritten: false,
+    };
+    for (lo, hi) in [(0, 40), (40, n)] {
+        client
+            .commit(Mutation::SetExtents {
+                ino: f,
+                off: lo * 4096,
+                len: (hi - lo) * 4096,
+                extents: (lo..hi).map(ext).collect(),
+                size_at_least: Some(hi * 4096),
+                touch_mtime: true,
+                free_maps: Vec::new(),
+            })
+            .unwrap();
+    }
+    let count = |r: meta::keys::KeyRange| {
+        let kv = kv.clone();
+        async move {
+            kv.range(RangeRequest::range(r.start, r.end))
+                .await
+                .unwrap()
+                .kvs
+                .len()
+        }
+    };
+    let unlinked = client
+        .commit(Mutation::Unlink {
+            parent: Ino::ROOT,
+            name: b"big".to_vec(),
+            dir: false,
+            keep_open: false,
+            expect: None,
+        })
+        .unwrap();
+    assert_eq!(unlinked.orphaned, Some(f), "too many extents: orphaned first");
+    assert!(unlinked.freed.is_empty());
+    let mut logged = 0;
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        let out = client.commit(Mutation::ReclaimOrphan { ino: f }).unwrap();
+        assert_eq!(
+            out.freed.len(),
+            out.released.len(),
+            "every freed range is logged"
+        );
+        logged += out.released.len();
+        let orphan_left = count(meta::keys::KeyRange {
+            start: keys.orphan(f),
+            end: [keys.orphan(f), vec![0]].concat(),
+        })
+        .await;
+        if !out.reclaim_more {
+            assert_eq!(out.removed, Some(f));
+            assert_eq!(orphan_left, 0);
+            break;
+        }
+        assert_eq!(orphan_left, 1, "the orphan record stays until the last chunk");
+        assert!(rounds < 5);
+    }
+    assert_eq!(rounds, 2);
+    assert_eq!(logged, n as usize);
+    assert_eq!(count(keys.extents(f)).await, 0);
+    assert_eq!(count(keys.released_between(0, u64::MAX)).await, n as usize);
+}

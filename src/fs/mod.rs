@@ -916,10 +916,22 @@ impl Inner {
     }
 
     fn reclaim_orphan(&self, ino: Ino) {
-        match self.meta.commit(Mutation::ReclaimOrphan { ino }) {
-            Ok(out) => self.after_commit(&out),
-            Err(MetaError::NotFound) => {}
-            Err(e) => log::warn!("reclaiming orphan inode {ino}: {e}"),
+        // A large file goes in chunks, one commit each; every chunk removes extents, so
+        // this ends.
+        loop {
+            match self.meta.commit(Mutation::ReclaimOrphan { ino }) {
+                Ok(out) => {
+                    self.after_commit(&out);
+                    if !out.reclaim_more {
+                        return;
+                    }
+                }
+                Err(MetaError::NotFound) => return,
+                Err(e) => {
+                    log::warn!("reclaiming orphan inode {ino}: {e}");
+                    return;
+                }
+            }
         }
     }
 

@@ -303,6 +303,9 @@ pub struct Outcome {
     /// inside one group) in the same commit; the rest (a file with too many extents to
     /// read in one transaction) is only reported.
     pub released: Vec<DevRange>,
+    /// ReclaimOrphan released one chunk of a large file's extents and kept the orphan:
+    /// submit it again.
+    pub reclaim_more: bool,
     /// Reserved inode numbers `[start, end)` (ReserveInos).
     pub inos: Option<(u64, u64)>,
     /// Timestamps this commit handed to the coalescer (written to etcd later): the inode,

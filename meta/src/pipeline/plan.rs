@@ -328,6 +328,41 @@ impl<'a> P<'a> {
         Ok(())
     }
 
+    /// Whether `ino` has more extents than one transaction releases.
+    fn extents_exceed_one_txn(&mut self, ino: Ino) -> R<bool> {
+        Ok(self.range(extents_req(self.keys(), ino, 0))?.more)
+    }
+
+    /// Releases and deletes the first [`EXTENTS_PER_MUTATION_MAX`] extents of `ino` (of
+    /// a file with more than that), each compared so nothing read changes unseen.
+    fn drop_first_extents(&mut self, ino: Ino) -> R<()> {
+        let k = self.keys();
+        let resp = self.range(extents_req(k, ino, 0))?;
+        let mut last = 0;
+        for kv in &resp.kvs {
+            let Some(crate::keys::KeyKind::Extent(_, off)) = k.parse(&kv.key) else {
+                return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
+            };
+            let e = Extent::decode_value(off, &kv.value)
+                .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
+            self.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
+            self.release(DevRange {
+                dev_off: e.dev_off,
+                len: e.len,
+            });
+            last = off;
+        }
+        let range = k.extents_between(ino, 0, last.saturating_add(1));
+        self.compare(Compare {
+            key: range.start.clone(),
+            range_end: Some(range.end.clone()),
+            op: crate::kv::CompareOp::Less,
+            target: crate::kv::CompareTarget::ModRevision(resp.revision + 1),
+        });
+        self.delete_range(range, false);
+        Ok(())
+    }
+
     /// Logs a freed device range as `R` records (one per allocation group) in this
     /// transaction, and reports it freed.
     fn release(&mut self, r: DevRange) {
@@ -359,7 +394,15 @@ impl<'a> P<'a> {
             attr.nlink -= 1;
             self.put(k.inode(attr.ino), &attr);
             self.plan.outcome.attr = Some(attr);
-        } else if keep_open {
+        } else if keep_open
+            || (attr.kind == FileType::Regular
+                && !no_extents
+                && self.extents_exceed_one_txn(attr.ino)?)
+        {
+            // Kept as an orphan while open here; also when its extents cannot all be
+            // logged as released in one transaction: the orphan is then reclaimed in
+            // chunks (`plan_reclaim`), and a crash part-way leaves it to the
+            // dead-session reclaim instead of leaking the rest.
             attr.nlink = 0;
             self.put(k.inode(attr.ino), &attr);
             self.put(
@@ -1309,18 +1352,25 @@ fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
         .ok_or(Stop::Fail(MetaError::NotFound))?;
     let _owner: Owner = p.decode(okv)?;
     p.compare(Compare::mod_rev(k.orphan(ino), okv.mod_revision));
-    p.delete(k.orphan(ino));
+    p.plan.outcome.ino = Some(ino);
     if let Some((attr, rev)) = p.inode(ino)? {
+        p.compare(Compare::mod_rev(k.inode(ino), rev));
         if attr.nlink > 0 {
             // Relinked cannot happen (link refuses orphans), but never delete a linked
             // inode on the strength of an orphan record: just drop the record.
-            p.compare(Compare::mod_rev(k.inode(ino), rev));
+            p.delete(k.orphan(ino));
             return Ok(());
         }
-        p.compare(Compare::mod_rev(k.inode(ino), rev));
+        if attr.kind == FileType::Regular && p.extents_exceed_one_txn(ino)? {
+            // One chunk per transaction; the orphan record stays until the last, so a
+            // crash part-way leaves the rest to be reclaimed.
+            p.drop_first_extents(ino)?;
+            p.plan.outcome.reclaim_more = true;
+            return Ok(());
+        }
         p.delete_inode_tree(ino, attr.kind, false)?;
     }
-    p.plan.outcome.ino = Some(ino);
+    p.delete(k.orphan(ino));
     Ok(())
 }
 
