@@ -838,7 +838,11 @@ async fn large_file_is_reclaimed_in_logged_chunks() {
             expect: None,
         })
         .unwrap();
-    assert_eq!(unlinked.orphaned, Some(f), "too many extents: orphaned first");
+    assert_eq!(
+        unlinked.orphaned,
+        Some(f),
+        "too many extents: orphaned first"
+    );
     assert!(unlinked.freed.is_empty());
     let mut logged = 0;
     let mut rounds = 0;
@@ -861,7 +865,10 @@ async fn large_file_is_reclaimed_in_logged_chunks() {
             assert_eq!(orphan_left, 0);
             break;
         }
-        assert_eq!(orphan_left, 1, "the orphan record stays until the last chunk");
+        assert_eq!(
+            orphan_left, 1,
+            "the orphan record stays until the last chunk"
+        );
         assert!(rounds < 5);
     }
     assert_eq!(rounds, 2);

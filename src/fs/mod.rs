@@ -448,6 +448,9 @@ struct DataCounters {
     reads_on_waiter: AtomicU64,
     writes_on_core: AtomicU64,
     writes_on_waiter: AtomicU64,
+    /// Freed device ranges the freeing commit could not log as released records (a file
+    /// too large for its map to be cached): a crash before their free-map write leaks them.
+    frees_unlogged: AtomicU64,
 }
 
 /// One open directory: the names behind the cookies it handed out.
@@ -802,6 +805,18 @@ impl Inner {
             self.caches.forget_attr(ino.0);
         }
         if !out.freed.is_empty() {
+            let logged = |r: &meta::pipeline::DevRange| {
+                out.released
+                    .iter()
+                    .filter(|p| p.dev_off >= r.dev_off && p.dev_off + p.len <= r.dev_off + r.len)
+                    .map(|p| p.len)
+                    .sum::<u64>()
+                    == r.len
+            };
+            let unlogged = out.freed.iter().filter(|r| !logged(r)).count() as u64;
+            self.data_counters
+                .frees_unlogged
+                .fetch_add(unlogged, Ordering::Relaxed);
             self.release_blocks(&out.freed, &out.released);
         }
     }
@@ -1498,8 +1513,11 @@ impl Inner {
     fn truncate(&self, st: &FileState, size: u64, mut set: SetAttr) -> Result<InodeAttr, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
-        let pending = self.commit_pending_locked(st, &mut f)?;
+        let mut pending = self.commit_pending_locked(st, &mut f)?;
         let old = f.attr.size;
+        if size < old {
+            pending.extend(self.drop_tail_in_chunks(&mut f, st.ino, size)?);
+        }
         if size < old && size % BLOCK_SIZE != 0 {
             let block = size - size % BLOCK_SIZE;
             let extents = self.extents_for(&mut f, st.ino, block, BLOCK_SIZE)?;
@@ -1532,6 +1550,60 @@ impl Inner {
         pending.iter().for_each(|o| self.after_commit_unlocked(o));
         self.after_commit_unlocked(&out);
         Ok(attr)
+    }
+
+    /// Unmaps what lies past `size` in commits of at most one transaction's worth of
+    /// extents each, from the end, when there is more than the size change itself can log
+    /// as released (it would delete the rest blind, and a crash before the free-map write
+    /// would leak it). Only for a map small enough to cache; the outcomes are for
+    /// [`Inner::after_commit_unlocked`].
+    fn drop_tail_in_chunks(
+        &self,
+        f: &mut files::FileInner,
+        ino: u64,
+        size: u64,
+    ) -> Result<Vec<Outcome>, Errno> {
+        const PER_COMMIT: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX - 1;
+        let keep_to = size.next_multiple_of(BLOCK_SIZE);
+        // Only with the map cached (loading it if small enough): a map too large to cache
+        // is not read whole here.
+        if keep_to >= f.attr.size || f.map_too_big {
+            return Ok(Vec::new());
+        }
+        self.extents_for(f, ino, keep_to, BLOCK_SIZE)?;
+        let Some(map) = &f.extents else {
+            return Ok(Vec::new());
+        };
+        let tail: Vec<FileExtent> = map
+            .iter()
+            .filter(|e| e.file_off + e.len > keep_to)
+            .copied()
+            .collect();
+        if tail.len() <= PER_COMMIT {
+            return Ok(Vec::new());
+        }
+        let mut outs = Vec::new();
+        for chunk in tail.rchunks(PER_COMMIT) {
+            let (Some(first), Some(last)) = (chunk.first(), chunk.last()) else {
+                continue;
+            };
+            let from = first.file_off.max(keep_to);
+            let to = last.file_off + last.len;
+            let m = Mutation::SetExtents {
+                ino: Ino(ino),
+                off: from,
+                len: to - from,
+                extents: Vec::new(),
+                size_at_least: None,
+                touch_mtime: false,
+                free_maps: Vec::new(),
+            };
+            outs.push(self.commit_locked(f, m)?);
+            if let Some(map) = f.extents.as_mut() {
+                files::replace_range(map, from, to - from, &[]);
+            }
+        }
+        Ok(outs)
     }
 
     /// Commits while holding the file's lock: updates the cached attributes inline (the
@@ -3540,6 +3612,7 @@ impl Handler for EtcFs {
             ("data_reads_on_waiter", &d.reads_on_waiter),
             ("data_writes_on_core", &d.writes_on_core),
             ("data_writes_on_waiter", &d.writes_on_waiter),
+            ("frees_unlogged", &d.frees_unlogged),
         ] {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }
