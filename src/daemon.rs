@@ -130,6 +130,7 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
         cpus: cpus.to_vec(),
         ring_entries_per_queue: args.ring_entries_per_queue.map_or(0, |n| n as usize),
         devfuse_reads_per_core: args.devfuse_reads_per_core as usize,
+        device_spin: std::time::Duration::from_micros(args.device_spin_us),
     };
     let handler_for_stats = handler.clone();
     let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)

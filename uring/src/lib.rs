@@ -19,9 +19,11 @@ pub mod buf;
 pub mod cpu;
 pub mod ring;
 pub mod slab;
+pub mod spin;
 pub mod wake;
 
 pub use buf::{AlignedBuf, HugeArena};
 pub use ring::{Completion, Ring, RingConfig};
 pub use slab::InFlight;
+pub use spin::SpinPolicy;
 pub use wake::Waker;

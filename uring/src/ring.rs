@@ -48,6 +48,7 @@ impl<S: EntryMarker> Ring<S> {
         let ring = IoUring::<S, cqueue::Entry>::builder()
             .setup_single_issuer()
             .setup_coop_taskrun()
+            .setup_taskrun_flag()
             .setup_cqsize(cfg.sq_entries_max.saturating_mul(2))
             .build(cfg.sq_entries_max)?;
         Ok(Ring { ring })
@@ -107,6 +108,28 @@ impl<S: EntryMarker> Ring<S> {
                 Ok(())
             }
             other => other,
+        }
+    }
+
+    /// Submits, then spins for up to `budget` until a completion is ready, without
+    /// sleeping. Returns whether one is. With `COOP_TASKRUN` a completion raised on another
+    /// CPU waits as task work until this thread enters the kernel; the `TASKRUN` flag says
+    /// when there is some, and a zero-wait enter runs it.
+    pub fn spin_for_completion(&mut self, budget: Duration) -> io::Result<bool> {
+        self.submit()?;
+        let start = std::time::Instant::now();
+        loop {
+            if !self.ring.completion().is_empty() {
+                return Ok(true);
+            }
+            if self.ring.submission().taskrun() {
+                self.submit_and_wait(0, None)?;
+                continue;
+            }
+            if start.elapsed() >= budget {
+                return Ok(false);
+            }
+            std::hint::spin_loop();
         }
     }
 

@@ -12,7 +12,7 @@ use std::{
 };
 
 use io_uring::{opcode, squeue, types};
-use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, Waker};
+use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 
 use crossbeam_channel::Sender;
 
@@ -201,6 +201,7 @@ impl<'a> Worker<'a> {
         let _ = started.send(Ok(()));
 
         let mut done: Vec<uring::Completion> = Vec::with_capacity(depth * 8 + 1);
+        let mut spin = SpinPolicy::new(shared.device_spin);
         loop {
             let t_batch = w.recorder.timer();
             for c in done.drain(..) {
@@ -211,6 +212,19 @@ impl<'a> Worker<'a> {
             }
             if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
                 break;
+            }
+            let device_io = w
+                .slots
+                .iter()
+                .any(|s| matches!(s.state, SlotState::ReadingData { .. }));
+            if let Some(budget) = device_io.then(|| spin.before_wait()).flatten() {
+                match w.ring.spin_for_completion(budget) {
+                    Ok(hit) => spin.after_spin(hit),
+                    Err(e) => {
+                        log::warn!("devfuse worker {core}: io_uring_enter: {e}");
+                        break;
+                    }
+                }
             }
             if let Err(e) = w.ring.submit_and_wait(1, None) {
                 log::warn!("devfuse worker {core}: io_uring_enter: {e}");

@@ -75,6 +75,9 @@ pub struct SessionConfig {
     pub ring_entries_per_queue: usize,
     /// Reads kept outstanding per `/dev/fuse` worker.
     pub devfuse_reads_per_core: usize,
+    /// How long a worker with device I/O in flight spins for its completion before
+    /// sleeping (see [`uring::SpinPolicy`]); zero never spins.
+    pub device_spin: std::time::Duration,
 }
 
 /// The transport serving a mount, as reported by `etcfs stats`.
@@ -122,6 +125,8 @@ pub(crate) struct Shared {
     pub(crate) perf: Arc<perf::Registry>,
     pub(crate) negotiated: Negotiated,
     pub(crate) stop: AtomicBool,
+    /// See [`SessionConfig::device_spin`].
+    pub(crate) device_spin: std::time::Duration,
     notify_gate: Arc<NotifyGate>,
 }
 
@@ -215,6 +220,7 @@ impl Session {
             perf,
             negotiated,
             stop: AtomicBool::new(false),
+            device_spin: cfg.device_spin,
             notify_gate: Arc::default(),
         });
         let wakers = Arc::new(Mutex::new(Vec::new()));

@@ -14,7 +14,7 @@ use std::{
 };
 
 use io_uring::{opcode, squeue::Entry128, types};
-use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, Waker};
+use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 
 use crossbeam_channel::Sender;
 
@@ -167,6 +167,8 @@ struct Worker<'a> {
     scratch_out: Vec<u8>,
     /// Per entry, what the handler keeps alive until the entry's device I/O is over.
     holds: Vec<Option<Hold>>,
+    /// Device reads and writes submitted and not yet completed.
+    device_ios: usize,
     live: usize,
 }
 
@@ -238,6 +240,7 @@ impl<'a> Worker<'a> {
             ring,
             devfd: shared.mount.fd(),
             live: entries.len(),
+            device_ios: 0,
             holds: (0..entries.len()).map(|_| None).collect(),
             entries,
             recorder: shared.perf.core(core),
@@ -277,6 +280,7 @@ impl<'a> Worker<'a> {
         }
         let _ = started.send(Ok(()));
 
+        let mut spin = SpinPolicy::new(shared.device_spin);
         let mut t_batch = w.recorder.timer();
         loop {
             for c in done.drain(..) {
@@ -287,6 +291,15 @@ impl<'a> Worker<'a> {
             }
             if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
                 break;
+            }
+            if let Some(budget) = (w.device_ios > 0).then(|| spin.before_wait()).flatten() {
+                match w.ring.spin_for_completion(budget) {
+                    Ok(hit) => spin.after_spin(hit),
+                    Err(e) => {
+                        log::warn!("ring worker {core}: io_uring_enter: {e}");
+                        break;
+                    }
+                }
             }
             if let Err(e) = w.ring.submit_and_wait(1, None) {
                 log::warn!("ring worker {core}: io_uring_enter: {e}");
@@ -491,6 +504,7 @@ impl<'a> Worker<'a> {
                     // SAFETY: the range lies inside the payload (the plan was checked to fit)
                     // and the entry stays in `Reading` until every read completes.
                     if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
+                        self.device_ios += 1;
                         progress.outstanding += 1;
                         progress.want += len;
                     } else {
@@ -530,6 +544,7 @@ impl<'a> Worker<'a> {
             // the WRITE's data, which is the payload's start), and the entry stays in
             // `DeviceIo`, its payload untouched, until every write completes.
             if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
+                self.device_ios += 1;
                 progress.outstanding += 1;
                 progress.want += seg.len;
             } else {
@@ -545,6 +560,7 @@ impl<'a> Worker<'a> {
     }
 
     fn segment_read(&mut self, idx: usize, result: i32) {
+        self.device_ios = self.device_ios.saturating_sub(1);
         let Some(e) = self.entries.get_mut(idx) else {
             return;
         };
