@@ -164,6 +164,21 @@ impl FileState {
     pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, FileInner>> {
         self.inner.try_lock().ok()
     }
+
+    /// The lock, for a core's fast path, which must not block: retries for a few
+    /// microseconds first. Fast paths hold it for well under that, so two cores serving one
+    /// file get it; a waiter holding it for a commit or device I/O is waited out only
+    /// briefly (the request then goes to a waiter too).
+    pub(crate) fn try_lock_briefly(&self) -> Option<MutexGuard<'_, FileInner>> {
+        const TRIES: u32 = 256;
+        for _ in 0..TRIES {
+            if let Some(f) = self.try_lock() {
+                return Some(f);
+            }
+            std::hint::spin_loop();
+        }
+        None
+    }
 }
 
 /// The table of open files.
