@@ -124,11 +124,17 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     };
     let mnt = Arc::new(Mount::new(&args.mountpoint, &opts)?);
     let names: Vec<&'static str> = Opcode::NAMES.to_vec();
-    let registry = perf::Registry::new(names, Vec::new(), cpus.len() + 1, args.perf);
+    let registry = perf::Registry::new(
+        names,
+        fusedev::transport::COUNTERS.to_vec(),
+        cpus.len() + 1,
+        args.perf,
+    );
     let cfg = SessionConfig {
         transport: choice,
         cpus: cpus.to_vec(),
         ring_entries_per_queue: args.ring_entries_per_queue.map_or(0, |n| n as usize),
+        ring_share_above: args.ring_share_above as usize,
         devfuse_reads_per_core: args.devfuse_reads_per_core as usize,
         device_spin: std::time::Duration::from_micros(args.device_spin_us),
     };

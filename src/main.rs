@@ -127,6 +127,12 @@ pub(crate) struct MountArgs {
     /// CPUs so that all queues' buffers stay within 256 MiB, but never fewer than 8.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(crate) ring_entries_per_queue: Option<u32>,
+    /// Ring transport: a worker with more than this many requests in service passes some
+    /// of its CPU's queue entries to a less busy worker, so that one process issuing deep
+    /// I/O from one CPU is served by several; they come back when the load drops. 0 keeps
+    /// every request on the worker of the CPU that made it.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub(crate) ring_share_above: u32,
     /// How long (µs) a worker with device I/O in flight spins for the completion before
     /// sleeping. Spinning saves the wake-up of a sleeping worker (about 30 µs per 4 KiB
     /// read on a VM) for some CPU; a spin that runs out backs off, so large transfers and

@@ -2981,3 +2981,92 @@ fn appends_then_truncate_punch_and_unlink_while_open() {
     drop(f);
     assert_space_back(&m.mnt, avail0 - SPACE_SLACK, "unlink with appends pending");
 }
+
+/// Deep I/O from one CPU is served by more than one worker: with `--ring-share-above 1`,
+/// the busy queue's entries pass to the other worker (the kernel then hands it requests
+/// made on the first CPU). Sixteen threads pinned to one CPU overwrite and read back their
+/// own blocks with O_DIRECT while that happens; every read, and the file after a remount,
+/// match a model.
+#[test]
+fn deep_io_from_one_cpu_is_shared_between_workers() {
+    const T: &str = "deep_io_from_one_cpu_is_shared_between_workers";
+    const THREADS: usize = 16;
+    const BLOCKS: usize = 512;
+    const ROUNDS: usize = 6;
+    let Some(fs) = TestFs::new_or_skip(T, None) else {
+        return;
+    };
+    if !common::can_run(T, Some("uring")) {
+        return;
+    }
+    let cpus = uring::cpu::allowed_cpus().expect("allowed CPUs");
+    if cpus.len() < 2 {
+        println!("SKIP: {T}: needs two CPUs");
+        return;
+    }
+    let m = fs.mount("uring", &["--ring-share-above", "1"]);
+    let p = m.path("deep");
+    fs::write(&p, pattern(BLOCKS * 4096, 5)).expect("write the file");
+    let block = |t: usize, round: usize, b: usize| pattern(4096, (t * 31 + round * 7 + b) as u8);
+    let cpu = cpus[0];
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let p = &p;
+            s.spawn(move || {
+                // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it and
+                // sched_setaffinity only reads it (0: this thread).
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::CPU_SET(cpu, &mut set);
+                    assert_eq!(
+                        libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
+                        0
+                    );
+                }
+                let f = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(p)
+                    .expect("open O_DIRECT");
+                let mut backing = vec![0u8; 8192];
+                let at = backing.as_ptr().align_offset(4096);
+                let buf = &mut backing[at..at + 4096];
+                for round in 0..ROUNDS {
+                    for b in (t..BLOCKS).step_by(THREADS) {
+                        buf.copy_from_slice(&block(t, round, b));
+                        f.write_all_at(buf, (b * 4096) as u64).expect("pwrite");
+                    }
+                    for b in (t..BLOCKS).step_by(THREADS) {
+                        f.read_exact_at(buf, (b * 4096) as u64).expect("pread");
+                        assert!(
+                            buf[..] == block(t, round, b)[..],
+                            "thread {t} round {round}: block {b} reads back wrong"
+                        );
+                    }
+                }
+            });
+        }
+    });
+    let mut model = Vec::with_capacity(BLOCKS * 4096);
+    for b in 0..BLOCKS {
+        model.extend_from_slice(&block(b % THREADS, ROUNDS - 1, b));
+    }
+    assert_same_bytes("after the threads", &fs::read(&p).expect("read"), &model);
+    let passed = m.stats_json()["counters"]["ring_entries_passed"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        passed > 0,
+        "no ring entry passed to the other worker: {}",
+        m.stats_json()["counters"]
+    );
+    m.stop();
+    let m = fs.mount("uring", &[]);
+    assert_same_bytes(
+        "after remount",
+        &fs::read(m.path("deep")).expect("read after remount"),
+        &model,
+    );
+    m.stop();
+}

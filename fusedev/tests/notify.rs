@@ -119,12 +119,14 @@ fn mount(fs: Arc<OneFile>, transport: TransportChoice) -> Mounted {
     };
     let mnt = Arc::new(Mount::new(&dir, &opts).expect("mount"));
     let names: Vec<&'static str> = Opcode::NAMES.to_vec();
-    let perf = perf::Registry::new(names, Vec::new(), 2, false);
+    let perf = perf::Registry::new(names, fusedev::transport::COUNTERS.to_vec(), 2, false);
     let cfg = SessionConfig {
         transport,
         cpus: vec![uring::cpu::allowed_cpus().expect("cpus")[0]],
         ring_entries_per_queue: 2,
+        ring_share_above: 0,
         devfuse_reads_per_core: 2,
+        device_spin: std::time::Duration::ZERO,
     };
     let session = Session::start(mnt, fs, perf, &cfg, true).expect("start session");
     Mounted {

@@ -57,6 +57,15 @@ impl AlignedBuf {
         }
     }
 
+    /// A buffer of no bytes that owns no memory (a placeholder).
+    pub fn empty() -> Self {
+        AlignedBuf {
+            ptr: NonNull::dangling(),
+            len: 0,
+            arena: None,
+        }
+    }
+
     /// Raw address for handing to the kernel; valid for `len()` bytes while `self` lives.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -71,7 +80,8 @@ impl AlignedBuf {
 impl Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr is a live allocation of len initialised (zeroed) bytes owned by self.
+        // SAFETY: ptr is a live allocation of len initialised (zeroed) bytes owned by self,
+        // or (`empty`) a dangling, well-aligned pointer with len 0, valid for no bytes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
@@ -85,8 +95,8 @@ impl DerefMut for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        if self.arena.is_some() {
-            // The mapping goes when its last slice does (Arc).
+        if self.arena.is_some() || self.len == 0 {
+            // The mapping goes when its last slice does (Arc); `empty` owns nothing.
             return;
         }
         let layout = Layout::from_size_align(self.len, BUF_ALIGN).expect("layout used to alloc");

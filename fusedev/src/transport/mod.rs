@@ -63,6 +63,13 @@ pub enum TransportChoice {
     Devfuse,
 }
 
+/// Named counters the transport keeps in the session's `perf` registry, in this order.
+pub const COUNTERS: [&str; 2] = ["ring_entries_passed", "ring_entries_returned"];
+/// Index in [`COUNTERS`]: ring entries a worker passed to a less busy one.
+pub(crate) const RING_ENTRIES_PASSED: usize = 0;
+/// Index in [`COUNTERS`]: ring entries given back to their queue's own worker.
+pub(crate) const RING_ENTRIES_RETURNED: usize = 1;
+
 /// Limits and placement of a session.
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
@@ -73,6 +80,9 @@ pub struct SessionConfig {
     /// Ring entries registered per FUSE queue (each owns a `max_write` payload buffer);
     /// 0 chooses by memory (see [`ring::auto_entries_per_queue`]).
     pub ring_entries_per_queue: usize,
+    /// Ring transport: a worker with more requests than this in service passes some of its
+    /// queue's entries to a less busy worker (see `ring::Peers`); 0 never does.
+    pub ring_share_above: usize,
     /// Reads kept outstanding per `/dev/fuse` worker.
     pub devfuse_reads_per_core: usize,
     /// How long a worker with device I/O in flight spins for its completion before
@@ -145,7 +155,7 @@ pub struct Session {
 impl Session {
     /// Reads FUSE_INIT from the freshly mounted connection, negotiates, picks the transport and
     /// starts the workers. `perf` must have one core slot per CPU in `cfg.cpus` plus one for
-    /// the sideband reader (the last slot).
+    /// the sideband reader (the last slot), and [`COUNTERS`] as its first counter names.
     pub fn start(
         mount: Arc<Mount>,
         handler: Arc<dyn Handler>,

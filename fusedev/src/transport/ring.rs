@@ -8,7 +8,10 @@
 //! (names, WRITE data) is in the payload buffer, and the reply's arguments go there too.
 
 use std::{
-    sync::{atomic::Ordering, mpsc, Arc, Mutex},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        mpsc, Arc, Mutex,
+    },
     thread::JoinHandle,
     time::Duration,
 };
@@ -16,11 +19,11 @@ use std::{
 use io_uring::{opcode, squeue::Entry128, types};
 use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     collect_starts, dispatch, op_index, out_header, plan_fits, spawn, SessionConfig, Shared,
-    REQUEST_HEADER_ROOM,
+    REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED,
 };
 use crate::{
     errno::Errno,
@@ -54,6 +57,8 @@ enum EntryState {
     DeviceIo(Pending, IoProgress),
     /// The kernel ended the entry (unmount): it will not be used again.
     Dead,
+    /// An empty slot: its entry went to another worker (see `Peers`).
+    Away,
 }
 
 /// A request whose reply is not sent yet.
@@ -87,6 +92,79 @@ struct Entry {
     payload: AlignedBuf,
     iov: Box<[libc::iovec; 2]>,
     state: EntryState,
+}
+
+// SAFETY: the iovecs point into the entry's own header and payload, which move with it (and
+// whose addresses never change); an entry is used by one worker at a time, the one it was
+// handed to (see `Peers`).
+unsafe impl Send for Entry {}
+
+impl Entry {
+    /// A slot whose entry went to another worker.
+    fn vacant() -> Entry {
+        Entry {
+            qid: 0,
+            header: AlignedBuf::empty(),
+            payload: AlignedBuf::empty(),
+            iov: Box::new(
+                [libc::iovec {
+                    iov_base: std::ptr::null_mut(),
+                    iov_len: 0,
+                }; 2],
+            ),
+            state: EntryState::Away,
+        }
+    }
+}
+
+/// What the workers of a session share to pass entries between them.
+///
+/// The kernel queues a request on the queue of the CPU it was made on, and hands it to an
+/// entry registered on that queue; the ring that last committed the entry gets it. One
+/// process doing all its I/O from one CPU would keep one worker busy and leave the others
+/// idle. So a worker with more than `share_above` requests in service commits some of
+/// its queue's entries through a less busy worker (which then serves the requests those
+/// entries get), and a worker holding another queue's entry gives it back, at its next
+/// commit, once that queue's own worker is down to half the mark. At low load every entry
+/// is at home, so a request is served on the CPU that made it. This relies on the kernel
+/// handing an entry's next request to the ring that committed it, whichever ring
+/// registered it.
+struct Peers {
+    /// Per worker: where to send it entries, and how to wake it.
+    handoff: Vec<(Sender<Entry>, Waker)>,
+    /// Per worker: requests it holds in service (taken from the kernel, not yet committed).
+    load: Vec<AtomicUsize>,
+    /// Entries not ended by the kernel, wherever they are; the session ends at zero.
+    live: AtomicUsize,
+    /// The worker that registered each queue (indexed by queue id).
+    home: Vec<usize>,
+    /// 0 never passes entries.
+    share_above: usize,
+}
+
+impl Peers {
+    /// Where the entry of queue `qid` that worker `me` is committing should go, if not to
+    /// `me`.
+    fn handoff_target(&self, me: usize, qid: u16) -> Option<usize> {
+        if self.share_above == 0 || self.load.len() < 2 {
+            return None;
+        }
+        let load = |w: usize| self.load[w].load(Ordering::Relaxed);
+        let home = self.home.get(usize::from(qid)).copied().unwrap_or(me);
+        if home != me {
+            // Back only well below the mark, or entries would bounce at every commit.
+            return (load(home) <= self.share_above / 2).then_some(home);
+        }
+        let mine = load(me);
+        if mine <= self.share_above {
+            return None;
+        }
+        let (other, theirs) = (0..self.load.len())
+            .filter(|&w| w != me)
+            .map(|w| (w, load(w)))
+            .min_by_key(|&(_, l)| l)?;
+        (theirs + 1 < mine).then_some(other)
+    }
 }
 
 /// Memory the payload buffers of all queues may take when the entry count is chosen
@@ -129,19 +207,43 @@ pub(crate) fn start(
     }
     let (tx, rx) = mpsc::channel();
     let mut threads = Vec::new();
-    for (core, (&cpu, queues)) in cfg.cpus.iter().zip(queues_of).enumerate() {
+    let entries = match cfg.ring_entries_per_queue {
+        0 => auto_entries_per_queue(possible.len(), shared.negotiated.payload_max()),
+        n => n,
+    };
+    let entries_total = possible.len() * entries;
+    let mut handoff = Vec::with_capacity(cfg.cpus.len());
+    let mut handoff_rxs = Vec::with_capacity(cfg.cpus.len());
+    for _ in &cfg.cpus {
         let waker = match Waker::new() {
             Ok(w) => w,
             Err(e) => return Err((threads, format!("eventfd: {e}"))),
         };
         wakers.lock().expect("waker list").push(waker.clone());
-        let (s, tx) = (shared.clone(), tx.clone());
-        let entries = match cfg.ring_entries_per_queue {
-            0 => auto_entries_per_queue(possible.len(), shared.negotiated.payload_max()),
-            n => n,
-        };
+        // Room for every entry: a handoff never finds the channel full.
+        let (etx, erx) = crossbeam_channel::bounded(entries_total.max(1));
+        handoff.push((etx, waker));
+        handoff_rxs.push(erx);
+    }
+    let mut home = vec![0; possible.iter().max().map_or(0, |&m| m + 1)];
+    for (w, qs) in queues_of.iter().enumerate() {
+        for &q in qs {
+            home[usize::from(q)] = w;
+        }
+    }
+    let peers = Arc::new(Peers {
+        load: (0..cfg.cpus.len()).map(|_| AtomicUsize::new(0)).collect(),
+        live: AtomicUsize::new(entries_total),
+        handoff,
+        home,
+        share_above: cfg.ring_share_above,
+    });
+    for (core, ((&cpu, queues), handoff_rx)) in
+        cfg.cpus.iter().zip(queues_of).zip(handoff_rxs).enumerate()
+    {
+        let (s, tx, peers) = (shared.clone(), tx.clone(), peers.clone());
         match spawn(&format!("etcfs-ring-{cpu}"), move || {
-            Worker::run(&s, core, cpu, &queues, entries, &waker, &tx)
+            Worker::run(&s, core, cpu, &queues, entries, &peers, handoff_rx, &tx)
         }) {
             Ok(t) => threads.push(t),
             Err(e) => return Err((threads, e.to_string())),
@@ -169,19 +271,27 @@ struct Worker<'a> {
     holds: Vec<Option<Hold>>,
     /// Device reads and writes submitted and not yet completed.
     device_ios: usize,
-    live: usize,
+    peers: &'a Peers,
+    /// Slots of `entries` whose entry went to another worker, for entries coming in.
+    vacant: Vec<usize>,
 }
 
 impl<'a> Worker<'a> {
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the worker's placement, queues and links to its peers, given once"
+    )]
     fn run(
         shared: &'a Shared,
         core: usize,
         cpu: usize,
         queues: &[u16],
         entries_per_queue: usize,
-        waker: &'a Waker,
+        peers: &'a Peers,
+        handoff_rx: Receiver<Entry>,
         started: &mpsc::Sender<Result<(), String>>,
     ) {
+        let waker = &peers.handoff[core].1;
         if let Err(e) = cpu::pin_current_thread(cpu) {
             log::warn!("ring worker {core}: cannot pin to CPU {cpu}: {e}");
         }
@@ -239,8 +349,9 @@ impl<'a> Worker<'a> {
             core,
             ring,
             devfd: shared.mount.fd(),
-            live: entries.len(),
             device_ios: 0,
+            peers,
+            vacant: Vec::new(),
             holds: (0..entries.len()).map(|_| None).collect(),
             entries,
             recorder: shared.perf.core(core),
@@ -289,7 +400,10 @@ impl<'a> Worker<'a> {
             while let Ok(c) = completions_rx.try_recv() {
                 w.deferred(c);
             }
-            if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
+            while let Ok(e) = handoff_rx.try_recv() {
+                w.adopt(e);
+            }
+            if peers.live.load(Ordering::Acquire) == 0 || shared.stop.load(Ordering::Relaxed) {
                 break;
             }
             if let Some(budget) = (w.device_ios > 0).then(|| spin.before_wait()).flatten() {
@@ -308,18 +422,55 @@ impl<'a> Worker<'a> {
             w.ring.reap(&mut done);
             t_batch = w.recorder.timer();
         }
-        let Worker {
-            ring,
-            entries,
-            live,
-            ..
-        } = w;
+        let Worker { ring, entries, .. } = w;
         drop(ring);
-        if live > 0 {
+        // Entries handed to this worker too late to be served are still the kernel's.
+        let arriving: Vec<Entry> = handoff_rx.try_iter().collect();
+        let live = |e: &Entry| !matches!(e.state, EntryState::Dead | EntryState::Away);
+        if entries.iter().any(live) || !arriving.is_empty() {
             // Stopped while entries were still registered: the kernel drops them when the
             // ring closes, but it may finish doing so after we return, so the buffers stay
             // allocated until the process exits rather than risk a write into freed memory.
             std::mem::forget(entries);
+            std::mem::forget(arriving);
+        }
+    }
+
+    /// Takes in an entry another worker passed over, and commits its reply from this
+    /// worker's ring: the entry's next request comes here.
+    fn adopt(&mut self, e: Entry) {
+        let idx = match self.vacant.pop() {
+            Some(i) => {
+                self.entries[i] = e;
+                i
+            }
+            None => {
+                self.entries.push(e);
+                self.holds.push(None);
+                self.entries.len() - 1
+            }
+        };
+        self.commit(idx);
+    }
+
+    /// Queues COMMIT_AND_FETCH for entry `idx`, whose reply is in its buffers.
+    fn commit(&mut self, idx: usize) {
+        let e = &mut self.entries[idx];
+        e.state = EntryState::InKernel;
+        let ent = &e.header[ENT_OFFSET..ENT_OFFSET + 32];
+        let commit_id = u64::from_ne_bytes(ent[8..16].try_into().expect("8 bytes"));
+        let sqe = uring::ring::uring_cmd80(
+            self.devfd,
+            CMD_COMMIT_AND_FETCH,
+            0,
+            0,
+            cmd_req(commit_id, e.qid),
+        )
+        .user_data(TAG_CMD | idx as u64);
+        // SAFETY: COMMIT_AND_FETCH reuses the buffers registered for this entry, which live
+        // as long as the entry (never freed while registered, see the end of `run`).
+        if let Err(err) = unsafe { self.ring.push(&sqe) } {
+            log::error!("cannot queue COMMIT_AND_FETCH: {err}");
         }
     }
 
@@ -344,6 +495,7 @@ impl<'a> Worker<'a> {
                     let op = op_index(peek_opcode(&self.entries[idx]));
                     self.recorder.record(op, perf::Stage::QueueWait, wait);
                 }
+                self.peers.load[self.core].fetch_add(1, Ordering::Relaxed);
                 self.serve(idx);
             }
             TAG_DATA_IO => self.segment_read(idx, c.result),
@@ -368,7 +520,12 @@ impl<'a> Worker<'a> {
             );
         }
         e.state = EntryState::Dead;
-        self.live -= 1;
+        if self.peers.live.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The last entry: wake every worker (some may hold none) to end the session.
+            for (_, waker) in &self.peers.handoff {
+                waker.wake();
+            }
+        }
     }
 
     /// Decodes the request in entry `idx`, runs the handler and acts on its reply.
@@ -627,24 +784,32 @@ impl<'a> Worker<'a> {
         e.header[..16].copy_from_slice(&out_header(p.unique, error, len));
         let sz = u32::try_from(len).expect("payload below 4 GiB");
         e.header[ENT_OFFSET + 16..ENT_OFFSET + 20].copy_from_slice(&sz.to_ne_bytes());
-        e.state = EntryState::InKernel;
-        let ent = &e.header[ENT_OFFSET..ENT_OFFSET + 32];
-        let commit_id = u64::from_ne_bytes(ent[8..16].try_into().expect("8 bytes"));
-        let sqe = uring::ring::uring_cmd80(
-            self.devfd,
-            CMD_COMMIT_AND_FETCH,
-            0,
-            0,
-            cmd_req(commit_id, e.qid),
-        )
-        .user_data(TAG_CMD | idx as u64);
-        // SAFETY: COMMIT_AND_FETCH reuses the buffers registered for this entry, which live
-        // as long as `entries`.
-        if let Err(err) = unsafe { self.ring.push(&sqe) } {
-            log::error!("cannot queue COMMIT_AND_FETCH: {err}");
-        }
+        let qid = e.qid;
         self.recorder
             .record_since(p.op, perf::Stage::Total, &p.started);
+        let target = self.peers.handoff_target(self.core, qid);
+        self.peers.load[self.core].fetch_sub(1, Ordering::Relaxed);
+        if let Some(t) = target {
+            let e = std::mem::replace(&mut self.entries[idx], Entry::vacant());
+            let (tx, waker) = &self.peers.handoff[t];
+            match tx.try_send(e) {
+                Ok(()) => {
+                    self.vacant.push(idx);
+                    waker.wake();
+                    let home = self.peers.home.get(usize::from(qid)) == Some(&t);
+                    let counter = if home {
+                        RING_ENTRIES_RETURNED
+                    } else {
+                        RING_ENTRIES_PASSED
+                    };
+                    self.recorder.add_counter(counter, 1);
+                    return;
+                }
+                // Never full (room for every entry); the peer has stopped: commit here.
+                Err(err) => self.entries[idx] = err.into_inner(),
+            }
+        }
+        self.commit(idx);
     }
 }
 
