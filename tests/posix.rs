@@ -3013,16 +3013,7 @@ fn deep_io_from_one_cpu_is_shared_between_workers() {
         for t in 0..THREADS {
             let p = &p;
             s.spawn(move || {
-                // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it and
-                // sched_setaffinity only reads it (0: this thread).
-                unsafe {
-                    let mut set: libc::cpu_set_t = std::mem::zeroed();
-                    libc::CPU_SET(cpu, &mut set);
-                    assert_eq!(
-                        libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set),
-                        0
-                    );
-                }
+                uring::cpu::pin_current_thread(cpu).expect("pin to one CPU");
                 let f = OpenOptions::new()
                     .read(true)
                     .write(true)
