@@ -1518,17 +1518,12 @@ impl Inner {
         if size < old {
             pending.extend(self.drop_tail_in_chunks(&mut f, st.ino, size)?);
         }
-        if size < old && size % BLOCK_SIZE != 0 {
-            let block = size - size % BLOCK_SIZE;
-            let extents = self.extents_for(&mut f, st.ino, block, BLOCK_SIZE)?;
-            if let Some(dev_off) = written_block(&extents, block) {
-                let mut io = self.dev.io();
-                let mut buf = AlignedBuf::new(BLOCK_SIZE as usize);
-                io.read_at(&mut buf, dev_off).map_err(|e| errno::dev(&e))?;
-                buf[(size - block) as usize..].fill(0);
-                io.write_at(&buf, dev_off).map_err(|e| errno::dev(&e))?;
-                io.flush().map_err(|e| errno::dev(&e))?;
-            }
+        // The block holding the lower of the two sizes keeps only what lies below it: when
+        // shrinking, the cut-off bytes; when growing, whatever lies past the old size on the
+        // device (an append lost in a crash before its size was committed) must read as
+        // zeros too.
+        if size != old {
+            self.zero_block_tail(&mut f, st.ino, size.min(old))?;
         }
         set.size = Some(size);
         if set.mtime.is_none() {
@@ -1550,6 +1545,25 @@ impl Inner {
         pending.iter().for_each(|o| self.after_commit_unlocked(o));
         self.after_commit_unlocked(&out);
         Ok(attr)
+    }
+
+    /// Zeroes the device bytes of the block holding file offset `at` from `at` on, when
+    /// that block is written (a hole or unwritten block reads as zeros already).
+    fn zero_block_tail(&self, f: &mut files::FileInner, ino: u64, at: u64) -> Result<(), Errno> {
+        if at % BLOCK_SIZE == 0 {
+            return Ok(());
+        }
+        let block = at - at % BLOCK_SIZE;
+        let extents = self.extents_for(f, ino, block, BLOCK_SIZE)?;
+        if let Some(dev_off) = written_block(&extents, block) {
+            let mut io = self.dev.io();
+            let mut buf = AlignedBuf::new(BLOCK_SIZE as usize);
+            io.read_at(&mut buf, dev_off).map_err(|e| errno::dev(&e))?;
+            buf[(at - block) as usize..].fill(0);
+            io.write_at(&buf, dev_off).map_err(|e| errno::dev(&e))?;
+            io.flush().map_err(|e| errno::dev(&e))?;
+        }
+        Ok(())
     }
 
     /// Unmaps what lies past `size` in commits of at most one transaction's worth of
@@ -2608,6 +2622,11 @@ impl Inner {
         // Its extents are read back from etcd's view below: pending writes first.
         for o in self.commit_pending_locked(st, &mut f)? {
             self.after_commit_unlocked(&o);
+        }
+        if grow && end > f.attr.size {
+            // As for a truncate up: what lies past the old size in its block reads as zeros.
+            let old = f.attr.size;
+            self.zero_block_tail(&mut f, st.ino, old)?;
         }
         let b_off = off - off % BLOCK_SIZE;
         let b_end = end.next_multiple_of(BLOCK_SIZE);

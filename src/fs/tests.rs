@@ -1495,3 +1495,51 @@ fn large_files_free_every_range_logged() {
     }
     assert_eq!(counter(&fx, "frees_unlogged"), 0);
 }
+
+/// Growing a file (truncate up, fallocate past EOF) zeroes what lies past the old size in
+/// its last block: bytes an append put on the device before a crash lost its size commit
+/// must not show through the grown file.
+#[test]
+fn growing_a_file_hides_device_bytes_past_the_old_size() {
+    use crate::data::device::BlockDev as _;
+    let mut fx = Fx::new();
+    for name in [&b"t"[..], b"f"] {
+        let (ino, fh) = fx.create(ROOT, name);
+        fx.write(ino, fh, 0, &pattern(1, 100));
+        fx.release(ino, fh);
+        // The append that reached the device and no further.
+        let (list, _) = fx
+            .fs
+            .inner()
+            .meta
+            .extents(meta::types::Ino(ino), 0, 4)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let dev_off = list[0].dev_off;
+        let mut dev = fx.dev.clone();
+        let mut b = uring::AlignedBuf::new(BLOCK_SIZE as usize);
+        dev.read_at(&mut b, dev_off).unwrap();
+        b[100..].fill(0xab);
+        dev.write_at(&b, dev_off).unwrap();
+        let fh = fx.open(ino);
+        if name == b"t" {
+            fx.truncate(ino, 2 * BLOCK_SIZE);
+        } else {
+            fx.ok(
+                ino,
+                Operation::Fallocate {
+                    fh,
+                    offset: 0,
+                    length: 2 * BLOCK_SIZE,
+                    mode: 0,
+                },
+            );
+        }
+        let got = fx.read(ino, fh, 0, 2 * BLOCK_SIZE as u32);
+        let mut want = pattern(1, 100);
+        want.resize(2 * BLOCK_SIZE as usize, 0);
+        assert!(got == want, "{:?}: bytes past the old size show", name);
+        fx.release(ino, fh);
+    }
+}
