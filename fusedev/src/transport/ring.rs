@@ -117,6 +117,19 @@ impl Entry {
     }
 }
 
+/// One worker's load counter on a cache line of its own, so that its updates on every
+/// request do not invalidate the line the other workers' counters sit on.
+#[repr(align(128))]
+#[derive(Default)]
+struct LoadSlot(AtomicUsize);
+
+impl std::ops::Deref for LoadSlot {
+    type Target = AtomicUsize;
+    fn deref(&self) -> &AtomicUsize {
+        &self.0
+    }
+}
+
 /// What the workers of a session share to pass entries between them.
 ///
 /// The kernel queues a request on the queue of the CPU it was made on, and hands it to an
@@ -133,7 +146,8 @@ struct Peers {
     /// Per worker: where to send it entries, and how to wake it.
     handoff: Vec<(Sender<Entry>, Waker)>,
     /// Per worker: requests it holds in service (taken from the kernel, not yet committed).
-    load: Vec<AtomicUsize>,
+    /// Only that worker writes its slot; the others read it at commits.
+    load: Vec<LoadSlot>,
     /// Entries not ended by the kernel, wherever they are; the session ends at zero.
     live: AtomicUsize,
     /// The worker that registered each queue (indexed by queue id).
@@ -232,7 +246,7 @@ pub(crate) fn start(
         }
     }
     let peers = Arc::new(Peers {
-        load: (0..cfg.cpus.len()).map(|_| AtomicUsize::new(0)).collect(),
+        load: (0..cfg.cpus.len()).map(|_| LoadSlot::default()).collect(),
         live: AtomicUsize::new(entries_total),
         handoff,
         home,
