@@ -92,6 +92,21 @@ fn clock() -> Arc<ManualClock> {
     Arc::new(ManualClock::new(T0))
 }
 
+/// A formatted model etcd, session 1's pipeline on it, and a new regular file `name` in the
+/// root.
+async fn with_file(name: &str) -> (Arc<MemEtcd>, Keyspace, Pipeline, MetaClient, Ino) {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p = start(kv.clone(), &keys, 1, c, Config::default());
+    let client = p.client();
+    let f = client
+        .commit(create(Ino::ROOT, name, FileType::Regular))
+        .unwrap()
+        .ino
+        .unwrap();
+    (kv, keys, p, client, f)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_creates_are_grouped() {
     let c = clock();
@@ -395,15 +410,7 @@ async fn bounded_queue_pushes_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_value_reports_the_key() {
-    let c = clock();
-    let (kv, keys) = formatted(c.clone()).await;
-    let p = start(kv.clone(), &keys, 1, c, Config::default());
-    let client = p.client();
-    let f = client
-        .commit(create(Ino::ROOT, "f", FileType::Regular))
-        .unwrap()
-        .ino
-        .unwrap();
+    let (kv, keys, _p, client, f) = with_file("f").await;
     kv.put_raw(&keys.inode(f), b"\x01short");
     let err = client
         .commit(Mutation::SetAttr {
@@ -723,28 +730,14 @@ async fn inode_reservation_and_session_are_lazy() {
 async fn free_map_writes_commit_in_submission_order() {
     use meta::{
         codec::{Extent, Owner},
-        kv::{Txn, TxnOp},
         types::GroupId,
     };
-    let c = clock();
-    let (kv, keys) = formatted(c.clone()).await;
+    let (kv, keys, _p, client, f) = with_file("f").await;
     let g = GroupId(3);
     let owner = Owner {
         session: SessionId(1),
     };
-    kv.txn(Txn {
-        success: vec![TxnOp::put(keys.group(g), owner.encode())],
-        ..Txn::default()
-    })
-    .await
-    .unwrap();
-    let p = start(kv.clone(), &keys, 1, c, Config::default());
-    let client = p.client();
-    let f = client
-        .commit(create(Ino::ROOT, "f", FileType::Regular))
-        .unwrap()
-        .ino
-        .unwrap();
+    kv.put_raw(&keys.group(g), &owner.encode());
     // Reads (inode, extents) take no time in the model, commits do: without ordering the
     // second, read-free write would commit while the first is still reading.
     kv.set_faults(Faults {
@@ -789,15 +782,7 @@ async fn free_map_writes_commit_in_submission_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_file_is_reclaimed_in_logged_chunks() {
     use meta::{codec::Extent, kv::RangeRequest};
-    let c = clock();
-    let (kv, keys) = formatted(c.clone()).await;
-    let p = start(kv.clone(), &keys, 1, c, Config::default());
-    let client = p.client();
-    let f = client
-        .commit(create(Ino::ROOT, "big", FileType::Regular))
-        .unwrap()
-        .ino
-        .unwrap();
+    let (kv, keys, _p, client, f) = with_file("big").await;
     // 70 one-block extents, every other block on the device (none merge).
     let n = 70u64;
     let ext = |i: u64| Extent {

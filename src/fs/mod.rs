@@ -808,7 +808,7 @@ impl Inner {
             let logged = |r: &meta::pipeline::DevRange| {
                 out.released
                     .iter()
-                    .filter(|p| p.dev_off >= r.dev_off && p.dev_off + p.len <= r.dev_off + r.len)
+                    .filter(|p| dev_range_within(p, r))
                     .map(|p| p.len)
                     .sum::<u64>()
                     == r.len
@@ -879,10 +879,7 @@ impl Inner {
         // Records whose range is in the maps now (each lies inside one freed range).
         let records: Vec<u64> = released
             .iter()
-            .filter(|p| {
-                done.iter()
-                    .any(|r| p.dev_off >= r.dev_off && p.dev_off + p.len <= r.dev_off + r.len)
-            })
+            .filter(|p| done.iter().any(|r| dev_range_within(p, r)))
             .map(|p| p.dev_off)
             .collect();
         if changed.is_empty() && records.is_empty() {
@@ -1774,20 +1771,12 @@ impl Inner {
         if len == 0 {
             return reply_write(0);
         }
-        let suid_to_kill = kill_suid && f.attr.perm & 0o6000 != 0;
-        if let Some(segments) = f
-            .extents
-            .as_ref()
-            .filter(|_| !suid_to_kill)
-            .and_then(|m| overwrite_segments(m, f.attr.size, off, data.len(), -1))
-        {
+        if let Some((segments, _io)) = plan_overwrite(&st, &mut f, off, data.len(), kill_suid, -1) {
             // What a core's fast path serves, here because that path found the lock busy:
             // planned under the lock and written outside it with the file's I/O count
             // raised, as on a core. Holding the lock through the device write (and waiting
             // for every other write in flight first) would send the cores' next writes of
             // this file here too.
-            f.mtime_dirty = Some(SystemClock::new().wall());
-            let _io = st.begin_io(&f);
             drop(f);
             let mut io = self.dev.io();
             for seg in &segments {
@@ -3062,6 +3051,11 @@ fn groups_of(a: &Allocator, exts: &[FileExtent]) -> BTreeSet<AgId> {
     a.groups_of(&blocks)
 }
 
+/// Whether device range `inner` lies inside `outer`.
+fn dev_range_within(inner: &meta::pipeline::DevRange, outer: &meta::pipeline::DevRange) -> bool {
+    inner.dev_off >= outer.dev_off && inner.dev_off + inner.len <= outer.dev_off + outer.len
+}
+
 fn encode_maps(a: &Allocator, groups: &BTreeSet<AgId>) -> Vec<(GroupId, Vec<u8>)> {
     groups
         .iter()
@@ -3203,6 +3197,25 @@ fn device_pieces(len: u64) -> impl Iterator<Item = (u64, u64)> {
 /// The device writes of a whole-block overwrite of `[off, off + len)`, when every block of
 /// it is inside `size` and mapped to written (not unwritten) space; `None` otherwise (the
 /// write then needs allocation, read-modify-write or a commit).
+/// A whole-block overwrite of written blocks inside EOF, which changes no metadata but
+/// mtime (written at FLUSH/FSYNC/RELEASE): its device pieces, with the file's I/O count
+/// raised for them. `None` for any other write, or one that must clear set-id bits.
+fn plan_overwrite(
+    st: &Arc<files::FileState>,
+    f: &mut files::FileInner,
+    off: u64,
+    len: usize,
+    kill_suid: bool,
+    fd: RawFd,
+) -> Option<(Vec<WriteSegment>, files::IoInFlight)> {
+    if kill_suid && f.attr.perm & 0o6000 != 0 {
+        return None;
+    }
+    let segments = overwrite_segments(f.extents.as_ref()?, f.attr.size, off, len, fd)?;
+    f.mtime_dirty = Some(SystemClock::new().wall());
+    Some((segments, st.begin_io(f)))
+}
+
 pub(crate) fn overwrite_segments(
     extents: &[FileExtent],
     size: u64,
@@ -3603,12 +3616,8 @@ impl EtcFs {
         }
         let st = self.inner.files.get(ino)?;
         let mut f = st.try_lock_briefly()?;
-        if kill_suid && f.attr.perm & 0o6000 != 0 {
-            return None;
-        }
-        let segments = overwrite_segments(f.extents.as_ref()?, f.attr.size, off, len, fd)?;
-        f.mtime_dirty = Some(SystemClock::new().wall());
-        let hold = Hold::new(st.begin_io(&f));
+        let (segments, io) = plan_overwrite(&st, &mut f, off, len, kill_suid, fd)?;
+        let hold = Hold::new(io);
         drop(f);
         Some(Reply::Write(WritePlan {
             segments,

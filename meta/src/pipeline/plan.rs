@@ -298,34 +298,11 @@ impl<'a> P<'a> {
     /// beyond that the range is deleted blind and its ranges only reported freed.
     fn drop_extents(&mut self, ino: Ino, from: u64) -> R<()> {
         let k = self.keys();
-        let range = k.extents_between(ino, from, u64::MAX);
-        let req = extents_req(k, ino, from);
-        let resp = self.range(req)?;
-        if resp.more {
-            self.delete_range(range, true);
+        if self.range(extents_req(k, ino, from))?.more {
+            self.delete_range(k.extents_between(ino, from, u64::MAX), true);
             return Ok(());
         }
-        for kv in &resp.kvs {
-            let Some(crate::keys::KeyKind::Extent(_, off)) = k.parse(&kv.key) else {
-                return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
-            };
-            let e = Extent::decode_value(off, &kv.value)
-                .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
-            self.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
-            self.release(DevRange {
-                dev_off: e.dev_off,
-                len: e.len,
-            });
-        }
-        // Nothing may have appeared in the range since it was read.
-        self.compare(Compare {
-            key: range.start.clone(),
-            range_end: Some(range.end.clone()),
-            op: crate::kv::CompareOp::Less,
-            target: crate::kv::CompareTarget::ModRevision(resp.revision + 1),
-        });
-        self.delete_range(range, false);
-        Ok(())
+        self.release_read_extents(ino, from)
     }
 
     /// Whether `ino` has more extents than one transaction releases.
@@ -333,12 +310,14 @@ impl<'a> P<'a> {
         Ok(self.range(extents_req(self.keys(), ino, 0))?.more)
     }
 
-    /// Releases and deletes the first [`EXTENTS_PER_MUTATION_MAX`] extents of `ino` (of
-    /// a file with more than that), each compared so nothing read changes unseen.
-    fn drop_first_extents(&mut self, ino: Ino) -> R<()> {
+    /// Releases the extents of `ino` from `from` on that one read returns (up to
+    /// [`EXTENTS_PER_MUTATION_MAX`]), each compared so nothing read changes unseen, and
+    /// deletes their keys: through the last one read when more follow (a large file taken
+    /// apart in chunks), else all of them from `from` on.
+    fn release_read_extents(&mut self, ino: Ino, from: u64) -> R<()> {
         let k = self.keys();
-        let resp = self.range(extents_req(k, ino, 0))?;
-        let mut last = 0;
+        let resp = self.range(extents_req(k, ino, from))?;
+        let mut last = from;
         for kv in &resp.kvs {
             let Some(crate::keys::KeyKind::Extent(_, off)) = k.parse(&kv.key) else {
                 return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
@@ -352,7 +331,13 @@ impl<'a> P<'a> {
             });
             last = off;
         }
-        let range = k.extents_between(ino, 0, last.saturating_add(1));
+        let to = if resp.more {
+            last.saturating_add(1)
+        } else {
+            u64::MAX
+        };
+        let range = k.extents_between(ino, from, to);
+        // Nothing may have appeared in the range since it was read.
         self.compare(Compare {
             key: range.start.clone(),
             range_end: Some(range.end.clone()),
@@ -1364,7 +1349,7 @@ fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
         if attr.kind == FileType::Regular && p.extents_exceed_one_txn(ino)? {
             // One chunk per transaction; the orphan record stays until the last, so a
             // crash part-way leaves the rest to be reclaimed.
-            p.drop_first_extents(ino)?;
+            p.release_read_extents(ino, 0)?;
             p.plan.outcome.reclaim_more = true;
             return Ok(());
         }
