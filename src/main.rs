@@ -134,9 +134,10 @@ pub(crate) struct MountArgs {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub(crate) ring_share_above: u32,
     /// How long (µs) a worker with device I/O in flight spins for the completion before
-    /// sleeping. Spinning saves the wake-up of a sleeping worker (about 30 µs per 4 KiB
-    /// read on a VM) for some CPU; a spin that runs out backs off, so large transfers and
-    /// slow devices rarely spin. 0 never spins.
+    /// sleeping. Spinning saves the wake-up of a sleeping worker (30–90 µs on a VM) for
+    /// some CPU. A transfer expected to take longer is slept through on a timer until this
+    /// long before its expected end, then spun for; spins that run out back off. 0 never
+    /// spins.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(0..=1000))]
     pub(crate) device_spin_us: u64,
     /// Requests each /dev/fuse worker reads ahead and keeps in flight (each slot holds two

@@ -75,6 +75,19 @@ pub fn allowed_cpus() -> io::Result<Vec<usize>> {
         .collect())
 }
 
+/// Sets how late the kernel may fire the calling thread's timers (its timer slack, 50 µs by
+/// default): a worker napping until shortly before a device completion needs to wake on
+/// time, not up to 50 µs after it.
+pub fn set_timer_slack(slack: std::time::Duration) -> io::Result<()> {
+    let ns = libc::c_ulong::try_from(slack.as_nanos().max(1)).unwrap_or(libc::c_ulong::MAX);
+    // SAFETY: PR_SET_TIMERSLACK takes its value by integer and touches no memory of ours.
+    let rc = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns, 0, 0, 0) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Pins the calling thread to exactly `cpu`.
 pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     if cpu >= CPU_SET_CAPACITY {

@@ -25,5 +25,5 @@ pub mod wake;
 pub use buf::{AlignedBuf, HugeArena};
 pub use ring::{Completion, Ring, RingConfig};
 pub use slab::InFlight;
-pub use spin::SpinPolicy;
+pub use spin::{SpinPolicy, Transfer, WaitPlan, Waited};
 pub use wake::Waker;

@@ -2,6 +2,8 @@
 
 use std::{io, os::fd::RawFd, time::Duration};
 
+use crate::spin::{WaitPlan, Waited};
+
 use io_uring::{
     cqueue, opcode,
     squeue::{self, EntryMarker},
@@ -131,6 +133,28 @@ impl<S: EntryMarker> Ring<S> {
             }
             std::hint::spin_loop();
         }
+    }
+
+    /// Carries out `plan` up to the point where the caller sleeps in
+    /// [`Ring::submit_and_wait`]: spins, or naps and then spins.
+    pub fn before_sleep(&mut self, plan: WaitPlan) -> io::Result<Waited> {
+        let spin = match plan {
+            WaitPlan::Sleep => return Ok(Waited::Slept),
+            WaitPlan::Spin(budget) => budget,
+            WaitPlan::NapThenSpin { nap, spin } => {
+                self.submit_and_wait(1, Some(nap))?;
+                // Whether it woke the nap or came just before the timer: the completion
+                // belonged in the spin after the nap.
+                if !self.ring.completion().is_empty() {
+                    return Ok(Waited::WokenEarly);
+                }
+                spin
+            }
+        };
+        Ok(match self.spin_for_completion(spin)? {
+            true => Waited::SpinHit,
+            false => Waited::SpinMiss,
+        })
     }
 
     /// Moves every ready completion into `out` (appending).

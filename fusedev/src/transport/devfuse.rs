@@ -17,8 +17,8 @@ use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 use crossbeam_channel::Sender;
 
 use super::{
-    collect_starts, dispatch, op_index, out_header, plan_fits, spawn, SessionConfig, SessionError,
-    Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
+    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn, IoOutcome,
+    IoProgress, SessionConfig, SessionError, Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
 };
 use crate::{
     mount::owned,
@@ -59,20 +59,8 @@ enum SlotState {
     Replying,
     /// The handler deferred the reply; it arrives on the worker's completion channel.
     Deferred(Pending),
-    /// A READ reply's data is being read into `out`: reads outstanding, first error, bytes
-    /// read, bytes wanted, and whether a short read is EOF (file-backed replies).
-    ReadingData {
-        p: Pending,
-        outstanding: u32,
-        error: i32,
-        got: usize,
-        want: usize,
-        skip: usize,
-        len: usize,
-        short_is_eof: bool,
-        /// A WRITE: the size its reply reports once every segment is written.
-        written: Option<u32>,
-    },
+    /// A READ reply's data is being read into `out`, or a WRITE's data written from `inbuf`.
+    DeviceIo(Pending, IoProgress),
     /// The three linked splice SQEs are in flight; `left` of them have not completed.
     Splicing {
         p: Pending,
@@ -133,6 +121,8 @@ struct Worker<'a> {
     /// Per slot, what the handler keeps alive until the slot's device I/O is over.
     holds: Vec<Option<Hold>>,
     live: usize,
+    /// How to wait while device I/O is in flight, and what it took so far.
+    spin: SpinPolicy,
 }
 
 impl<'a> Worker<'a> {
@@ -147,6 +137,11 @@ impl<'a> Worker<'a> {
     ) {
         if let Err(e) = cpu::pin_current_thread(cpu) {
             log::warn!("devfuse worker {core}: cannot pin to CPU {cpu}: {e}");
+        }
+        if !shared.device_spin.is_zero() {
+            if let Err(e) = cpu::set_timer_slack(std::time::Duration::from_nanos(1)) {
+                log::warn!("devfuse worker {core}: cannot set timer slack: {e}");
+            }
         }
         let sq_entries_max = ((depth * 8 + 8) as u32).next_power_of_two();
         let ring: Ring = match Ring::new(RingConfig { sq_entries_max }) {
@@ -193,6 +188,7 @@ impl<'a> Worker<'a> {
             recorder: shared.perf.core(core),
             completions_tx,
             waker,
+            spin: SpinPolicy::new(shared.device_spin),
         };
         for idx in 0..w.slots.len() {
             w.read_request(idx);
@@ -201,7 +197,6 @@ impl<'a> Worker<'a> {
         let _ = started.send(Ok(()));
 
         let mut done: Vec<uring::Completion> = Vec::with_capacity(depth * 8 + 1);
-        let mut spin = SpinPolicy::new(shared.device_spin);
         loop {
             let t_batch = w.recorder.timer();
             for c in done.drain(..) {
@@ -213,17 +208,18 @@ impl<'a> Worker<'a> {
             if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
                 break;
             }
-            let device_io = w
-                .slots
-                .iter()
-                .any(|s| matches!(s.state, SlotState::ReadingData { .. }));
-            if let Some(budget) = device_io.then(|| spin.before_wait()).flatten() {
-                match w.ring.spin_for_completion(budget) {
-                    Ok(hit) => spin.after_spin(hit),
-                    Err(e) => {
-                        log::warn!("devfuse worker {core}: io_uring_enter: {e}");
-                        break;
-                    }
+            let plan = device_wait_plan(
+                &mut w.spin,
+                w.slots.iter().filter_map(|s| match s.state {
+                    SlotState::DeviceIo(_, ref io) => Some(io),
+                    _ => None,
+                }),
+            );
+            match w.ring.before_sleep(plan) {
+                Ok(waited) => w.spin.after_wait(waited),
+                Err(e) => {
+                    log::warn!("devfuse worker {core}: io_uring_enter: {e}");
+                    break;
                 }
             }
             if let Err(e) = w.ring.submit_and_wait(1, None) {
@@ -316,45 +312,15 @@ impl<'a> Worker<'a> {
                 // ENOENT: the request was interrupted and already answered; fine.
                 self.read_request(idx);
             }
-            (
-                TAG_FILE_READ,
-                SlotState::ReadingData {
-                    p,
-                    outstanding,
-                    error,
-                    got,
-                    want,
-                    skip,
-                    len,
-                    short_is_eof,
-                    written,
-                },
-            ) => {
-                let (error, got) = if c.result < 0 {
-                    (c.result, got)
-                } else {
-                    (error, got + c.result as usize)
-                };
-                if outstanding > 1 {
-                    slot.state = SlotState::ReadingData {
-                        p,
-                        outstanding: outstanding - 1,
-                        error,
-                        got,
-                        want,
-                        skip,
-                        len,
-                        short_is_eof,
-                        written,
-                    };
+            (TAG_FILE_READ, SlotState::DeviceIo(p, mut progress)) => {
+                progress.segment_done(c.result);
+                if progress.in_flight() {
+                    slot.state = SlotState::DeviceIo(p, progress);
                     return;
                 }
                 self.recorder
                     .record_since(p.op, perf::Stage::DeviceIo, &p.started);
-                if let Some(written) = written {
-                    return self.finish_write(idx, p, error, got, want, written);
-                }
-                self.finish_read(idx, p, error, got, want, skip, len, short_is_eof);
+                self.finish_io(idx, p, progress);
             }
             (TAG_SPLICE, SlotState::Splicing { p, left, delivered }) => {
                 let step = (c.user_data >> 30) & 3;
@@ -488,7 +454,8 @@ impl<'a> Worker<'a> {
 
     fn start_read(&mut self, idx: usize, p: Pending, mut plan: ReadPlan, short_is_eof: bool) {
         self.holds[idx] = plan.hold.take();
-        let (mut outstanding, mut error, mut want, mut pos) = (0u32, 0i32, 0usize, 0usize);
+        let mut progress = IoProgress::read(&plan, short_is_eof);
+        let mut pos = 0;
         for seg in &plan.segments {
             match *seg {
                 Segment::Zero { len } => {
@@ -500,37 +467,18 @@ impl<'a> Worker<'a> {
                         .offset(offset)
                         .build()
                         .user_data(TAG_FILE_READ | idx as u64);
-                    if self.push(&sqe) {
-                        outstanding += 1;
-                        want += len;
-                    } else {
-                        error = -libc::EIO;
-                    }
+                    progress.segment_queued(len, self.push(&sqe));
                 }
             }
             pos += seg.len();
         }
-        let (skip, len) = (plan.skip, plan.len);
-        if outstanding == 0 {
-            return self.finish_read(idx, p, error, 0, want, skip, len, short_is_eof);
-        }
-        self.slots[idx].state = SlotState::ReadingData {
-            p,
-            outstanding,
-            error,
-            got: 0,
-            want,
-            skip,
-            len,
-            short_is_eof,
-            written: None,
-        };
+        self.await_io(idx, p, progress);
     }
 
     /// Writes a WRITE's data from the slot's in buffer (where `data_at` says it starts) to
     /// the device with io_uring WRITEs.
     fn start_write(&mut self, idx: usize, p: Pending, plan: WritePlan, data_at: usize) {
-        let (mut outstanding, mut error, mut want) = (0u32, 0i32, 0usize);
+        let mut progress = IoProgress::write(plan.written);
         for seg in &plan.segments {
             let start = data_at + seg.src;
             let buf = self.slots[idx].inbuf[start..start + seg.len].as_ptr();
@@ -538,82 +486,39 @@ impl<'a> Worker<'a> {
                 .offset(seg.offset)
                 .build()
                 .user_data(TAG_FILE_READ | idx as u64);
-            if self.push(&sqe) {
-                outstanding += 1;
-                want += seg.len;
-            } else {
-                error = -libc::EIO;
-            }
+            progress.segment_queued(seg.len, self.push(&sqe));
         }
         self.holds[idx] = plan.hold;
-        if outstanding == 0 {
-            return self.finish_write(idx, p, error, 0, want, plan.written);
-        }
-        self.slots[idx].state = SlotState::ReadingData {
-            p,
-            outstanding,
-            error,
-            got: 0,
-            want,
-            skip: 0,
-            len: 0,
-            short_is_eof: false,
-            written: Some(plan.written),
-        };
+        self.await_io(idx, p, progress);
     }
 
-    fn finish_write(
-        &mut self,
-        idx: usize,
-        p: Pending,
-        error: i32,
-        got: usize,
-        want: usize,
-        written: u32,
-    ) {
-        self.holds[idx] = None;
-        if error < 0 {
-            return self.reply(idx, p, error, 0);
-        }
-        if got < want {
-            log::error!("short device write: {got} of {want} bytes");
-            return self.reply(idx, p, -libc::EIO, 0);
-        }
-        match reply::write(&mut self.slots[idx].out[ARGS_AT..], written) {
-            Some(n) => self.reply(idx, p, 0, n),
-            None => self.reply(idx, p, -libc::EIO, 0),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn finish_read(
-        &mut self,
-        idx: usize,
-        p: Pending,
-        error: i32,
-        got: usize,
-        want: usize,
-        skip: usize,
-        len: usize,
-        short_is_eof: bool,
-    ) {
-        self.holds[idx] = None;
-        if error < 0 {
-            return self.reply(idx, p, error, 0);
-        }
-        let len = if short_is_eof {
-            got.min(len)
-        } else if got < want {
-            log::error!("short device read: {got} of {want} bytes");
-            return self.reply(idx, p, -libc::EIO, 0);
+    /// Parks the slot until its device I/O completes, or answers at once if none was queued.
+    fn await_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        if progress.in_flight() {
+            self.slots[idx].state = SlotState::DeviceIo(p, progress);
         } else {
-            len
-        };
-        if skip > 0 {
-            let args = &mut self.slots[idx].out[ARGS_AT..];
-            args.copy_within(skip..skip + len, 0);
+            self.finish_io(idx, p, progress);
         }
-        self.reply(idx, p, 0, len);
+    }
+
+    fn finish_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        self.holds[idx] = None;
+        match progress.outcome() {
+            IoOutcome::Failed(err) => self.reply(idx, p, err, 0),
+            IoOutcome::Written(written) => {
+                match reply::write(&mut self.slots[idx].out[ARGS_AT..], written) {
+                    Some(n) => self.reply(idx, p, 0, n),
+                    None => self.reply(idx, p, -libc::EIO, 0),
+                }
+            }
+            IoOutcome::Read { skip, len } => {
+                if skip > 0 {
+                    let args = &mut self.slots[idx].out[ARGS_AT..];
+                    args.copy_within(skip..skip + len, 0);
+                }
+                self.reply(idx, p, 0, len);
+            }
+        }
     }
 
     fn reply(&mut self, idx: usize, p: Pending, error: i32, len: usize) {

@@ -26,10 +26,10 @@ use std::{
         mpsc, Arc, Mutex,
     },
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
-use uring::Waker;
+use uring::{SpinPolicy, Transfer, WaitPlan, Waker};
 use zerocopy::IntoBytes;
 
 use crate::{
@@ -86,7 +86,8 @@ pub struct SessionConfig {
     /// Reads kept outstanding per `/dev/fuse` worker.
     pub devfuse_reads_per_core: usize,
     /// How long a worker with device I/O in flight spins for its completion before
-    /// sleeping (see [`uring::SpinPolicy`]); zero never spins.
+    /// sleeping, and how early it wakes from a nap through a long transfer (see
+    /// [`uring::SpinPolicy`]); zero never spins.
     pub device_spin: std::time::Duration,
 }
 
@@ -458,6 +459,142 @@ pub(crate) fn spawn(
         .map_err(SessionError::Spawn)
 }
 
+/// Device I/O of a READ or WRITE reply in flight, in either transport.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IoProgress {
+    outstanding: u32,
+    /// The first failure, as a negative errno (0: none).
+    error: i32,
+    got: usize,
+    want: usize,
+    /// A READ: where the reply's data starts in what was read, and how long it is.
+    skip: usize,
+    len: usize,
+    /// A file-backed reply (`Reply::Fd`): a short read is EOF, not an error.
+    short_is_eof: bool,
+    /// A WRITE: the size its reply reports once every segment is written.
+    written: Option<u32>,
+    /// When the first segment went to the device.
+    pub(crate) issued: Instant,
+}
+
+/// What a finished [`IoProgress`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IoOutcome {
+    /// Reply with this negative errno.
+    Failed(i32),
+    /// A READ: the reply is `len` bytes starting `skip` bytes into what was read.
+    Read { skip: usize, len: usize },
+    /// A WRITE: reply that this many bytes were written.
+    Written(u32),
+}
+
+impl IoProgress {
+    pub(crate) fn read(plan: &ReadPlan, short_is_eof: bool) -> Self {
+        IoProgress {
+            skip: plan.skip,
+            len: plan.len,
+            short_is_eof,
+            ..Self::new(None)
+        }
+    }
+
+    pub(crate) fn write(written: u32) -> Self {
+        Self::new(Some(written))
+    }
+
+    fn new(written: Option<u32>) -> Self {
+        IoProgress {
+            outstanding: 0,
+            error: 0,
+            got: 0,
+            want: 0,
+            skip: 0,
+            len: 0,
+            short_is_eof: false,
+            written,
+            issued: Instant::now(),
+        }
+    }
+
+    /// A segment of `len` bytes went to the device (`queued`) or could not be queued.
+    pub(crate) fn segment_queued(&mut self, len: usize, queued: bool) {
+        if queued {
+            self.outstanding += 1;
+            self.want += len;
+        } else {
+            self.error = -libc::EIO;
+        }
+    }
+
+    /// Whether any segment is still at the device.
+    pub(crate) fn in_flight(&self) -> bool {
+        self.outstanding > 0
+    }
+
+    /// What is at the device, for the wait policy.
+    pub(crate) fn transfer(&self) -> Transfer {
+        Transfer {
+            bytes: self.want,
+            write: self.written.is_some(),
+        }
+    }
+
+    /// A segment completed with `result` (bytes, or a negative errno).
+    pub(crate) fn segment_done(&mut self, result: i32) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        if result < 0 {
+            self.error = result;
+        } else {
+            self.got += result as usize;
+        }
+    }
+
+    /// The reply once nothing is in flight.
+    pub(crate) fn outcome(&self) -> IoOutcome {
+        if self.error < 0 {
+            return IoOutcome::Failed(self.error);
+        }
+        let direction = if self.written.is_some() {
+            "write"
+        } else {
+            "read"
+        };
+        if self.got < self.want && !(self.written.is_none() && self.short_is_eof) {
+            log::error!(
+                "short device {direction}: {} of {} bytes",
+                self.got,
+                self.want
+            );
+            return IoOutcome::Failed(-libc::EIO);
+        }
+        match self.written {
+            Some(n) => IoOutcome::Written(n),
+            None if self.short_is_eof => IoOutcome::Read {
+                skip: self.skip,
+                len: self.got.min(self.len),
+            },
+            None => IoOutcome::Read {
+                skip: self.skip,
+                len: self.len,
+            },
+        }
+    }
+}
+
+/// How a worker waits for its next completion, given the device I/O it has in flight: the
+/// first is due when the transfer issued earliest, by its size's expected latency, ends.
+pub(crate) fn device_wait_plan<'a>(
+    spin: &mut SpinPolicy,
+    in_flight: impl Iterator<Item = &'a IoProgress>,
+) -> WaitPlan {
+    let first = in_flight
+        .map(|io| (io.issued + spin.expected(io.transfer()), io.transfer()))
+        .min_by_key(|&(due, _)| due);
+    let now = Instant::now();
+    spin.plan(first.map(|(due, bytes)| (due.saturating_duration_since(now), bytes)))
+}
+
 /// `fuse_out_header` bytes.
 pub(crate) fn out_header(unique: u64, error: i32, args_len: usize) -> [u8; OUT_HEADER_LEN] {
     let mut h = [0u8; OUT_HEADER_LEN];
@@ -670,5 +807,81 @@ pub(crate) fn collect_starts(
     match first_err {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(skip: usize, len: usize) -> ReadPlan {
+        ReadPlan {
+            segments: Vec::new(),
+            skip,
+            len,
+            hold: None,
+        }
+    }
+
+    #[test]
+    fn io_progress_answers_only_for_complete_transfers() {
+        let mut read = IoProgress::read(&plan(512, 4096), false);
+        read.segment_queued(4096, true);
+        read.segment_queued(4096, true);
+        assert!(read.in_flight());
+        read.segment_done(4096);
+        assert!(read.in_flight());
+        read.segment_done(4096);
+        assert!(!read.in_flight());
+        assert_eq!(
+            read.outcome(),
+            IoOutcome::Read {
+                skip: 512,
+                len: 4096
+            }
+        );
+        assert_eq!(
+            read.transfer(),
+            Transfer {
+                bytes: 8192,
+                write: false
+            }
+        );
+
+        let mut short = IoProgress::read(&plan(0, 4096), false);
+        short.segment_queued(4096, true);
+        short.segment_done(100);
+        assert_eq!(short.outcome(), IoOutcome::Failed(-libc::EIO));
+
+        let mut eof = IoProgress::read(&plan(0, 4096), true);
+        eof.segment_queued(4096, true);
+        eof.segment_done(100);
+        assert_eq!(eof.outcome(), IoOutcome::Read { skip: 0, len: 100 });
+
+        let mut write = IoProgress::write(8192);
+        write.segment_queued(4096, true);
+        write.segment_queued(4096, false);
+        write.segment_done(4096);
+        assert_eq!(
+            write.outcome(),
+            IoOutcome::Failed(-libc::EIO),
+            "one never queued"
+        );
+        assert!(write.transfer().write);
+
+        let mut failed = IoProgress::write(4096);
+        failed.segment_queued(4096, true);
+        failed.segment_done(-libc::ENOSPC);
+        assert_eq!(failed.outcome(), IoOutcome::Failed(-libc::ENOSPC));
+
+        let mut torn = IoProgress::write(8192);
+        torn.segment_queued(8192, true);
+        torn.segment_done(4096);
+        assert_eq!(torn.outcome(), IoOutcome::Failed(-libc::EIO));
+
+        let mut whole = IoProgress::write(8192);
+        whole.segment_queued(8192, true);
+        whole.segment_done(8192);
+        assert_eq!(whole.outcome(), IoOutcome::Written(8192));
     }
 }

@@ -22,8 +22,9 @@ use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    collect_starts, dispatch, op_index, out_header, plan_fits, spawn, SessionConfig, Shared,
-    REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED,
+    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn, IoOutcome,
+    IoProgress, SessionConfig, Shared, REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED,
+    RING_ENTRIES_RETURNED,
 };
 use crate::{
     errno::Errno,
@@ -67,21 +68,6 @@ struct Pending {
     unique: u64,
     op: usize,
     started: perf::Timer,
-}
-
-/// Device I/O of a READ or WRITE reply in flight.
-#[derive(Debug, Clone, Copy)]
-struct IoProgress {
-    outstanding: u32,
-    error: i32,
-    got: usize,
-    want: usize,
-    skip: usize,
-    len: usize,
-    /// A file-backed reply (`Reply::Fd`): a short read is EOF, not an error.
-    short_is_eof: bool,
-    /// A WRITE: the size its reply reports once every segment is written.
-    written: Option<u32>,
 }
 
 /// One registered entry: the kernel keeps the addresses of `header` and `payload` from
@@ -285,6 +271,8 @@ struct Worker<'a> {
     holds: Vec<Option<Hold>>,
     /// Device reads and writes submitted and not yet completed.
     device_ios: usize,
+    /// How to wait while they are, and what they took so far.
+    spin: SpinPolicy,
     peers: &'a Peers,
     /// Slots of `entries` whose entry went to another worker, for entries coming in.
     vacant: Vec<usize>,
@@ -308,6 +296,11 @@ impl<'a> Worker<'a> {
         let waker = &peers.handoff[core].1;
         if let Err(e) = cpu::pin_current_thread(cpu) {
             log::warn!("ring worker {core}: cannot pin to CPU {cpu}: {e}");
+        }
+        if !shared.device_spin.is_zero() {
+            if let Err(e) = cpu::set_timer_slack(Duration::from_nanos(1)) {
+                log::warn!("ring worker {core}: cannot set timer slack: {e}");
+            }
         }
         let entries_max = queues.len() * entries_per_queue;
         // Each entry has at most one command plus its READ segments in flight; segments are
@@ -364,6 +357,7 @@ impl<'a> Worker<'a> {
             ring,
             devfd: shared.mount.fd(),
             device_ios: 0,
+            spin: SpinPolicy::new(shared.device_spin),
             peers,
             vacant: Vec::new(),
             holds: (0..entries.len()).map(|_| None).collect(),
@@ -405,7 +399,6 @@ impl<'a> Worker<'a> {
         }
         let _ = started.send(Ok(()));
 
-        let mut spin = SpinPolicy::new(shared.device_spin);
         let mut t_batch = w.recorder.timer();
         loop {
             for c in done.drain(..) {
@@ -420,13 +413,19 @@ impl<'a> Worker<'a> {
             if peers.live.load(Ordering::Acquire) == 0 || shared.stop.load(Ordering::Relaxed) {
                 break;
             }
-            if let Some(budget) = (w.device_ios > 0).then(|| spin.before_wait()).flatten() {
-                match w.ring.spin_for_completion(budget) {
-                    Ok(hit) => spin.after_spin(hit),
-                    Err(e) => {
-                        log::warn!("ring worker {core}: io_uring_enter: {e}");
-                        break;
-                    }
+            let plan = device_wait_plan(
+                &mut w.spin,
+                w.entries.iter().filter_map(|e| match e.state {
+                    EntryState::DeviceIo(_, ref io) => Some(io),
+                    _ => None,
+                }),
+            );
+            let r = w.ring.before_sleep(plan);
+            match r {
+                Ok(waited) => w.spin.after_wait(waited),
+                Err(e) => {
+                    log::warn!("ring worker {core}: io_uring_enter: {e}");
+                    break;
                 }
             }
             if let Err(e) = w.ring.submit_and_wait(1, None) {
@@ -652,16 +651,7 @@ impl<'a> Worker<'a> {
     fn start_read(&mut self, idx: usize, p: Pending, mut plan: ReadPlan, short_is_eof: bool) {
         self.holds[idx] = plan.hold.take();
         let e = &mut self.entries[idx];
-        let mut progress = IoProgress {
-            outstanding: 0,
-            error: 0,
-            got: 0,
-            want: 0,
-            skip: plan.skip,
-            len: plan.len,
-            short_is_eof,
-            written: None,
-        };
+        let mut progress = IoProgress::read(&plan, short_is_eof);
         let mut pos = 0;
         for seg in &plan.segments {
             match *seg {
@@ -674,18 +664,14 @@ impl<'a> Worker<'a> {
                         .user_data(TAG_DATA_IO | idx as u64);
                     // SAFETY: the range lies inside the payload (the plan was checked to fit)
                     // and the entry stays in `Reading` until every read completes.
-                    if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
-                        self.device_ios += 1;
-                        progress.outstanding += 1;
-                        progress.want += len;
-                    } else {
-                        progress.error = -libc::EIO;
-                    }
+                    let queued = unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok();
+                    self.device_ios += usize::from(queued);
+                    progress.segment_queued(len, queued);
                 }
             }
             pos += seg.len();
         }
-        if progress.outstanding == 0 {
+        if !progress.in_flight() {
             self.finish_read(idx, p, progress);
         } else {
             e.state = EntryState::DeviceIo(p, progress);
@@ -695,16 +681,7 @@ impl<'a> Worker<'a> {
     /// Writes a WRITE's data from the payload to the device with io_uring WRITEs.
     fn start_write(&mut self, idx: usize, p: Pending, plan: WritePlan) {
         let e = &mut self.entries[idx];
-        let mut progress = IoProgress {
-            outstanding: 0,
-            error: 0,
-            got: 0,
-            want: 0,
-            skip: 0,
-            len: 0,
-            short_is_eof: false,
-            written: Some(plan.written),
-        };
+        let mut progress = IoProgress::write(plan.written);
         for seg in &plan.segments {
             let buf = e.payload[seg.src..seg.src + seg.len].as_ptr();
             let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)
@@ -714,16 +691,12 @@ impl<'a> Worker<'a> {
             // SAFETY: the range lies inside the payload (`dispatch` checked the plan against
             // the WRITE's data, which is the payload's start), and the entry stays in
             // `DeviceIo`, its payload untouched, until every write completes.
-            if unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok() {
-                self.device_ios += 1;
-                progress.outstanding += 1;
-                progress.want += seg.len;
-            } else {
-                progress.error = -libc::EIO;
-            }
+            let queued = unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok();
+            self.device_ios += usize::from(queued);
+            progress.segment_queued(seg.len, queued);
         }
         self.holds[idx] = plan.hold;
-        if progress.outstanding == 0 {
+        if !progress.in_flight() {
             self.finish_read(idx, p, progress);
         } else {
             e.state = EntryState::DeviceIo(p, progress);
@@ -738,13 +711,8 @@ impl<'a> Worker<'a> {
         let EntryState::DeviceIo(p, mut progress) = e.state else {
             return;
         };
-        progress.outstanding -= 1;
-        if result < 0 {
-            progress.error = result;
-        } else {
-            progress.got += result as usize;
-        }
-        if progress.outstanding > 0 {
+        progress.segment_done(result);
+        if progress.in_flight() {
             e.state = EntryState::DeviceIo(p, progress);
             return;
         }
@@ -755,40 +723,21 @@ impl<'a> Worker<'a> {
 
     fn finish_read(&mut self, idx: usize, p: Pending, progress: IoProgress) {
         self.holds[idx] = None;
-        if progress.error < 0 {
-            return self.reply(idx, p, progress.error, 0);
-        }
-        if let Some(written) = progress.written {
-            if progress.got < progress.want {
-                log::error!(
-                    "short device write: {} of {} bytes",
-                    progress.got,
-                    progress.want
-                );
-                return self.reply(idx, p, -libc::EIO, 0);
+        match progress.outcome() {
+            IoOutcome::Failed(err) => self.reply(idx, p, err, 0),
+            IoOutcome::Written(written) => {
+                match reply::write(&mut self.entries[idx].payload, written) {
+                    Some(n) => self.reply(idx, p, 0, n),
+                    None => self.reply(idx, p, -libc::EIO, 0),
+                }
             }
-            return match reply::write(&mut self.entries[idx].payload, written) {
-                Some(n) => self.reply(idx, p, 0, n),
-                None => self.reply(idx, p, -libc::EIO, 0),
-            };
+            IoOutcome::Read { skip, len } => {
+                if skip > 0 {
+                    self.entries[idx].payload.copy_within(skip..skip + len, 0);
+                }
+                self.reply(idx, p, 0, len);
+            }
         }
-        let len = if progress.short_is_eof {
-            progress.got.min(progress.len)
-        } else if progress.got < progress.want {
-            log::error!(
-                "short device read: {} of {} bytes",
-                progress.got,
-                progress.want
-            );
-            return self.reply(idx, p, -libc::EIO, 0);
-        } else {
-            progress.len
-        };
-        if progress.skip > 0 {
-            let e = &mut self.entries[idx];
-            e.payload.copy_within(progress.skip..progress.skip + len, 0);
-        }
-        self.reply(idx, p, 0, len);
     }
 
     /// Writes the out header and payload size, and commits (which fetches the next request).
