@@ -23,8 +23,12 @@ use crate::data::plan::FileExtent;
 
 /// Regular files open on this node at once (ENFILE past it).
 pub(crate) const OPEN_FILES_MAX: usize = 1 << 20;
-/// Extents cached per open file; a file with more is read range by range.
+/// Extents cached per open file; a file with more is read range by range. Small in unit
+/// tests, so that they reach the uncached paths with a few dozen writes.
+#[cfg(not(test))]
 pub(crate) const EXTENTS_CACHED_MAX: usize = 16384;
+#[cfg(test)]
+pub(crate) const EXTENTS_CACHED_MAX: usize = 64;
 
 /// The mutable state of one open file. Held across a write's device I/O and commit, so
 /// writes and truncates of one file are serialized (the kernel serializes them too).
@@ -396,6 +400,63 @@ pub(crate) fn overlapping(map: &[FileExtent], off: u64, len: u64) -> &[FileExten
     map.get(a..b.max(a)).unwrap_or_default()
 }
 
+/// Splits the unmapping of `[from, to)` into file ranges that each hold at most `per` of the
+/// extents pushed (in file order), so that each range can be one commit that logs every
+/// range it frees.
+#[derive(Debug)]
+pub(crate) struct UnmapChunks {
+    from: u64,
+    to: u64,
+    per: usize,
+    in_chunk: usize,
+    start: u64,
+    end: u64,
+    ranges: Vec<(u64, u64)>,
+}
+
+impl UnmapChunks {
+    pub(crate) fn new(from: u64, to: u64, per: usize) -> Self {
+        UnmapChunks {
+            from,
+            to,
+            per: per.max(1),
+            in_chunk: 0,
+            start: from,
+            end: from,
+            ranges: Vec::new(),
+        }
+    }
+
+    /// Takes the next extent in file order; false once extents lie past `to`.
+    pub(crate) fn push(&mut self, e: &FileExtent) -> bool {
+        let e_end = e.file_off + e.len;
+        if e.file_off >= self.to {
+            return false;
+        }
+        if e_end <= self.from {
+            return true;
+        }
+        if self.in_chunk == self.per {
+            self.ranges.push((self.start, self.end));
+            self.in_chunk = 0;
+        }
+        if self.in_chunk == 0 {
+            self.start = e.file_off.max(self.from);
+        }
+        self.end = e_end.min(self.to);
+        self.in_chunk += 1;
+        true
+    }
+
+    /// The ranges, in file order.
+    pub(crate) fn finish(mut self) -> Vec<(u64, u64)> {
+        if self.in_chunk > 0 {
+            self.ranges.push((self.start, self.end));
+        }
+        self.ranges
+    }
+}
+
 /// Drops the mapping at and past `end` (block-aligned).
 pub(crate) fn trim_extents(map: &mut Vec<FileExtent>, end: u64) {
     map.retain(|e| e.file_off < end);
@@ -451,6 +512,33 @@ mod tests {
             dev_off: d * B,
             unwritten: false,
         }
+    }
+
+    #[test]
+    fn unmap_chunks_hold_at_most_per_extents_each_clamped_to_the_range() {
+        let map: Vec<FileExtent> = (0..7).map(|i| ext(2 * i, 1, 100 + i)).collect();
+        let chunks = |from: u64, to: u64, per: usize| {
+            let mut c = UnmapChunks::new(from * B, to * B, per);
+            for e in &map {
+                if !c.push(e) {
+                    break;
+                }
+            }
+            c.finish()
+        };
+        // Extents at blocks 0, 2, 4, ... 12; three per chunk.
+        assert_eq!(
+            chunks(0, 100, 3),
+            vec![(0, 5 * B), (6 * B, 11 * B), (12 * B, 13 * B)]
+        );
+        // Clamped at both ends; an extent reaching in counts.
+        let big = [ext(0, 10, 0), ext(10, 1, 50)];
+        let mut c = UnmapChunks::new(4 * B, 11 * B, 1);
+        assert!(big.iter().all(|e| c.push(e)));
+        assert_eq!(c.finish(), vec![(4 * B, 10 * B), (10 * B, 11 * B)]);
+        assert_eq!(chunks(3, 9, 10), vec![(4 * B, 9 * B)]);
+        assert_eq!(chunks(1, 2, 10), Vec::<(u64, u64)>::new(), "a hole");
+        assert_eq!(chunks(0, 100, 0).len(), 7, "at least one per chunk");
     }
 
     #[test]

@@ -141,6 +141,9 @@ const PENDING_AGE_MAX: Duration = Duration::from_secs(1);
 /// Bytes allocated by one file's pending change before it commits: bounds what a crash
 /// loses and what one commit's flush waits for.
 const PENDING_BYTES_MAX: u64 = 64 << 20;
+/// Extents one unmapping commit takes: one SetExtents reads at most
+/// `EXTENTS_PER_MUTATION_MAX` starting inside its range, and one may reach in from before.
+const UNMAP_PER_COMMIT: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX - 1;
 /// Extents one pending change may replace or write (merged) before it commits, under the
 /// pipeline's per-mutation cap with room for one more write's pieces.
 const PENDING_EXTENTS_MAX: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX * 2 / 3;
@@ -1512,8 +1515,13 @@ impl Inner {
         st.wait_io(&f);
         let mut pending = self.commit_pending_locked(st, &mut f)?;
         let old = f.attr.size;
-        if size < old {
-            pending.extend(self.drop_tail_in_chunks(&mut f, st.ino, size)?);
+        let keep_to = size.next_multiple_of(BLOCK_SIZE);
+        if keep_to < old {
+            // The size change itself logs what one commit can; more goes in chunks first.
+            let ranges = self.unmap_ranges(&mut f, st.ino, keep_to, u64::MAX)?;
+            if ranges.len() > 1 {
+                pending.extend(self.unmap_in_chunks(&mut f, st.ino, &ranges, false)?);
+            }
         }
         // The block holding the lower of the two sizes keeps only what lies below it: when
         // shrinking, the cut-off bytes; when growing, whatever lies past the old size on the
@@ -1563,50 +1571,69 @@ impl Inner {
         Ok(())
     }
 
-    /// Unmaps what lies past `size` in commits of at most one transaction's worth of
-    /// extents each, from the end, when there is more than the size change itself can log
-    /// as released (it would delete the rest blind, and a crash before the free-map write
-    /// would leak it). Only for a map small enough to cache; the outcomes are for
-    /// [`Inner::after_commit_unlocked`].
-    fn drop_tail_in_chunks(
+    /// File ranges covering the extents of `ino` in `[from, to)`, at most one commit's
+    /// worth each (see [`Inner::unmap_in_chunks`]), in file order. A map too large to cache
+    /// is read page by page; only the ranges are kept.
+    fn unmap_ranges(
         &self,
         f: &mut files::FileInner,
         ino: u64,
-        size: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<(u64, u64)>, Errno> {
+        const PAGE: usize = 1024;
+        let mut chunks = files::UnmapChunks::new(from, to, UNMAP_PER_COMMIT);
+        // Loads the map when it is small enough to cache.
+        self.extents_for(f, ino, from, BLOCK_SIZE)?;
+        if let Some(map) = &f.extents {
+            for e in files::overlapping(map, from, to.saturating_sub(from)) {
+                chunks.push(e);
+            }
+            return Ok(chunks.finish());
+        }
+        let mut at = from;
+        loop {
+            let (list, more) = self
+                .meta
+                .extents(Ino(ino), at, PAGE)
+                .and_then(|t| t.wait())
+                .map_err(|e| errno::meta(&e))?;
+            let mut next = None;
+            for e in list.iter().map(FileExtent::from) {
+                if !chunks.push(&e) {
+                    return Ok(chunks.finish());
+                }
+                next = Some(e.file_off + e.len);
+            }
+            match next {
+                Some(n) if more => at = n,
+                _ => return Ok(chunks.finish()),
+            }
+        }
+    }
+
+    /// Unmaps `ranges` (from [`Inner::unmap_ranges`]) one commit each, from the end, so
+    /// that every freed extent is logged as released: one SetExtents over more extents than
+    /// a transaction holds fails, and a size change deletes those past what it can log
+    /// blind, leaking them if the node dies before its free-map write. From the end, a
+    /// crash in between leaves the file's data below the cut as it was. `touch_mtime` goes
+    /// on the last commit. The outcomes are for [`Inner::after_commit_unlocked`].
+    fn unmap_in_chunks(
+        &self,
+        f: &mut files::FileInner,
+        ino: u64,
+        ranges: &[(u64, u64)],
+        touch_mtime: bool,
     ) -> Result<Vec<Outcome>, Errno> {
-        const PER_COMMIT: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX - 1;
-        let keep_to = size.next_multiple_of(BLOCK_SIZE);
-        // Only with the map cached (loading it if small enough): a map too large to cache
-        // is not read whole here.
-        if keep_to >= f.attr.size || f.map_too_big {
-            return Ok(Vec::new());
-        }
-        self.extents_for(f, ino, keep_to, BLOCK_SIZE)?;
-        let Some(map) = &f.extents else {
-            return Ok(Vec::new());
-        };
-        let tail: Vec<FileExtent> = map
-            .iter()
-            .filter(|e| e.file_off + e.len > keep_to)
-            .copied()
-            .collect();
-        if tail.len() <= PER_COMMIT {
-            return Ok(Vec::new());
-        }
-        let mut outs = Vec::new();
-        for chunk in tail.rchunks(PER_COMMIT) {
-            let (Some(first), Some(last)) = (chunk.first(), chunk.last()) else {
-                continue;
-            };
-            let from = first.file_off.max(keep_to);
-            let to = last.file_off + last.len;
+        let mut outs = Vec::with_capacity(ranges.len());
+        for (i, &(from, to)) in ranges.iter().enumerate().rev() {
             let m = Mutation::SetExtents {
                 ino: Ino(ino),
                 off: from,
                 len: to - from,
                 extents: Vec::new(),
                 size_at_least: None,
-                touch_mtime: false,
+                touch_mtime: touch_mtime && i == 0,
                 free_maps: Vec::new(),
             };
             outs.push(self.commit_locked(f, m)?);
@@ -2738,21 +2765,14 @@ impl Inner {
         }
         io.flush().map_err(|e| errno::dev(&e))?;
         if inner_end > inner_off {
-            let m = Mutation::SetExtents {
-                ino: Ino(st.ino),
-                off: inner_off,
-                len: inner_end - inner_off,
-                extents: Vec::new(),
-                size_at_least: None,
-                touch_mtime: true,
-                free_maps: Vec::new(),
-            };
-            let out = self.commit_locked(&mut f, m)?;
-            if let Some(map) = f.extents.as_mut() {
-                files::replace_range(map, inner_off, inner_end - inner_off, &[]);
+            let mut ranges = self.unmap_ranges(&mut f, st.ino, inner_off, inner_end)?;
+            if ranges.len() <= 1 {
+                // One commit, which also sets mtime when there is nothing to unmap.
+                ranges = vec![(inner_off, inner_end)];
             }
+            let outs = self.unmap_in_chunks(&mut f, st.ino, &ranges, true)?;
             drop(f);
-            self.after_commit_unlocked(&out);
+            outs.iter().for_each(|o| self.after_commit_unlocked(o));
         }
         Ok(Done::Empty)
     }

@@ -1458,10 +1458,12 @@ fn fallocate_raising_the_size_inside_a_written_extent() {
 }
 
 /// A file with more extents than one commit can log as released loses them in logged
-/// chunks, on truncate and on unlink alike: every freed range can survive a crash, and
-/// every block comes back.
+/// chunks, on truncate, punch and unlink alike, whether its extent map is cached (60
+/// extents) or too large to cache (70, past the test build's cap of 64): every freed range
+/// can survive a crash, and every block comes back.
 #[test]
 fn large_files_free_every_range_logged() {
+    assert!((61..70).contains(&super::files::EXTENTS_CACHED_MAX));
     let mut fx = Fx::new();
     let free = |fs: &EtcFs| -> u64 {
         let a = super::lock(&fs.inner().alloc);
@@ -1471,10 +1473,16 @@ fn large_files_free_every_range_logged() {
             .sum()
     };
     let before = free(&fx.fs);
-    for name in [&b"t"[..], b"u"] {
+    for (extents, name) in [
+        (60u64, &b"truncate-60"[..]),
+        (70, b"truncate-70"),
+        (60, b"punch-60"),
+        (70, b"punch-70"),
+        (70, b"unlink-70"),
+    ] {
         let (ino, fh) = fx.create(ROOT, name);
-        // Every other block: 70 extents that cannot merge.
-        for i in 0..70u64 {
+        // Every other block: extents that cannot merge.
+        for i in 0..extents {
             fx.write(
                 ino,
                 fh,
@@ -1482,16 +1490,33 @@ fn large_files_free_every_range_logged() {
                 &pattern(i as u8, BLOCK_SIZE as usize),
             );
         }
+        assert_eq!(before - free(&fx.fs), extents, "{name:?}");
+        let size = (2 * extents - 1) * BLOCK_SIZE;
+        if name.starts_with(b"punch") {
+            fx.ok(
+                ino,
+                Operation::Fallocate {
+                    fh,
+                    offset: BLOCK_SIZE,
+                    length: size,
+                    mode: 0x03,
+                },
+            );
+            assert_eq!(before - free(&fx.fs), 1, "{name:?}: the first block stays");
+            assert_eq!(fx.getattr(ino).attr.size, size, "KEEP_SIZE");
+            let mut want = vec![0u8; 3 * BLOCK_SIZE as usize];
+            want[..BLOCK_SIZE as usize].copy_from_slice(&pattern(0, BLOCK_SIZE as usize));
+            same(&fx.read(ino, fh, 0, 3 * BLOCK_SIZE as u32), &want);
+        }
         fx.release(ino, fh);
-        assert_eq!(before - free(&fx.fs), 70);
-        if name == b"t" {
+        if name.starts_with(b"truncate") {
             let a = fx.truncate(ino, BLOCK_SIZE / 2);
             assert_eq!(a.attr.size, BLOCK_SIZE / 2);
-            assert_eq!(before - free(&fx.fs), 1, "the first block stays");
+            assert_eq!(before - free(&fx.fs), 1, "{name:?}: the first block stays");
             fx.truncate(ino, 0);
         }
         fx.ok(ROOT, Operation::Unlink { name });
-        assert_eq!(free(&fx.fs), before);
+        assert_eq!(free(&fx.fs), before, "{name:?}");
     }
     assert_eq!(counter(&fx, "frees_unlogged"), 0);
 }
