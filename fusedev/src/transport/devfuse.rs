@@ -17,8 +17,9 @@ use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 use crossbeam_channel::Sender;
 
 use super::{
-    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn, IoOutcome,
-    IoProgress, SessionConfig, SessionError, Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
+    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn,
+    submit_early, IoOutcome, IoProgress, SessionConfig, SessionError, Shared, OUT_HEADER_LEN,
+    REQUEST_HEADER_ROOM,
 };
 use crate::{
     mount::owned,
@@ -199,8 +200,13 @@ impl<'a> Worker<'a> {
         let mut done: Vec<uring::Completion> = Vec::with_capacity(depth * 8 + 1);
         loop {
             let t_batch = w.recorder.timer();
-            for c in done.drain(..) {
+            let batch = done.len();
+            for (i, c) in done.drain(..).enumerate() {
                 w.complete(c, &t_batch);
+                if submit_early(i + 1, batch) {
+                    // A failure shows again, and is reported, at the wait below.
+                    let _ = w.ring.submit();
+                }
             }
             while let Ok(c) = completions_rx.try_recv() {
                 w.deferred(c);

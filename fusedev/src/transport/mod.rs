@@ -582,6 +582,20 @@ impl IoProgress {
     }
 }
 
+/// Replies a worker queues from one batch of completions before handing them to the kernel
+/// mid-batch (after the first, then every this many).
+const EARLY_SUBMIT_EVERY: usize = 8;
+
+/// Whether a worker that has handled `handled` of a batch of `batch` completions submits
+/// what it queued so far rather than at the end of the batch. A device completes requests
+/// in bursts (32 at once at queue depth 32 on this VM), and the client waits for its first
+/// reply, which the end of the batch would hold back by the whole batch's work (about
+/// 35 µs); meanwhile the device idles. Early submissions cost one system call each, so
+/// never for the last completion of a batch, whose replies go with the wait.
+pub(crate) fn submit_early(handled: usize, batch: usize) -> bool {
+    handled < batch && (handled == 1 || handled.is_multiple_of(EARLY_SUBMIT_EVERY))
+}
+
 /// How a worker waits for its next completion, given the device I/O it has in flight: the
 /// first is due when the transfer issued earliest, by its size's expected latency, ends.
 pub(crate) fn device_wait_plan<'a>(
@@ -821,6 +835,22 @@ mod tests {
             len,
             hold: None,
         }
+    }
+
+    #[test]
+    fn replies_go_early_after_the_first_and_every_eighth_but_never_at_the_end() {
+        let early = |batch: usize| -> Vec<usize> {
+            (1..=batch).filter(|&h| submit_early(h, batch)).collect()
+        };
+        assert_eq!(
+            early(1),
+            Vec::<usize>::new(),
+            "queue depth 1: one system call"
+        );
+        assert_eq!(early(2), vec![1]);
+        assert_eq!(early(8), vec![1]);
+        assert_eq!(early(32), vec![1, 8, 16, 24]);
+        assert_eq!(early(0), Vec::<usize>::new());
     }
 
     #[test]

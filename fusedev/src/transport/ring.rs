@@ -22,9 +22,9 @@ use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn, IoOutcome,
-    IoProgress, SessionConfig, Shared, REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED,
-    RING_ENTRIES_RETURNED,
+    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn,
+    submit_early, IoOutcome, IoProgress, SessionConfig, Shared, REQUEST_HEADER_ROOM,
+    RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED,
 };
 use crate::{
     errno::Errno,
@@ -401,8 +401,13 @@ impl<'a> Worker<'a> {
 
         let mut t_batch = w.recorder.timer();
         loop {
-            for c in done.drain(..) {
+            let batch = done.len();
+            for (i, c) in done.drain(..).enumerate() {
                 w.complete(c, &t_batch);
+                if submit_early(i + 1, batch) {
+                    // A failure shows again, and is reported, at the wait below.
+                    let _ = w.ring.submit();
+                }
             }
             while let Ok(c) = completions_rx.try_recv() {
                 w.deferred(c);
