@@ -27,8 +27,9 @@
 # Runs against a private one-member etcd on loopback ports (data under /tmp) and a sparse
 # device image in /var/tmp, both removed on exit together with every mount and process the
 # script started. Every figure is the median of --runs repetitions (min-max beside it); in
-# each repetition every side is measured in turn, in an order that rotates between
-# repetitions. After them, one extra pass with --perf records where the time goes (not part
+# each repetition each fio job runs on the raw file and in etcfs back to back (which first
+# alternates), and the metadata sides in an order that rotates. After them, one extra
+# pass with --perf records where the time goes (not part
 # of the medians). Prints markdown tables; --write-doc also writes them into
 # docs/benchmarks.md between this script's markers.
 #
@@ -324,7 +325,8 @@ def report(res_path, diag_path):
         p("")
         p("etcfs / raw is the ratio of the medians, on which the goals (issue 3) are judged; per "
           "repetition is the median (min–max) of the ratios within each repetition, where both "
-          f"sides ran back to back. Transport serving the mounts: {tr or 'n/a'}.")
+          "sides ran the job back to back (which first alternates between jobs and repetitions). "
+          f"Transport serving the mounts: {tr or 'n/a'}.")
         p("")
     if env.get("META_DONE") == "1":
         p(f"### Metadata, one client: {files} files in one directory (etcd: one member, loopback)")
@@ -589,34 +591,47 @@ layout() { # FILE
 
 FIO_DONE=0
 if [ $DO_FIO = 1 ]; then
-	SIDES=(raw etcfs)
-	[ "$DEEP" -gt 0 ] && SIDES+=(deep)
 	log "fio: laying out $FIO_SIZE on the raw file and in etcfs"
 	layout "$RAW_FILE"
 	mount_etcfs layout
 	layout "$MNT/fio.dat"
 	unmount_etcfs
+	# fio_job RUN SIDE FILE NAME RW BS QD: one fio job, its figures recorded for the report.
+	fio_job() {
+		local run=$1 side=$2 file=$3 name=$4 rw=$5 bs=$6 qd=$7 vals mibs iops p50
+		vals=$(run_fio "$file" "$name" "$rw" "$bs" "$qd")
+		log "fio run $run/$RUNS $side $name: MiB/s IOPS p50-µs = $vals"
+		read -r mibs iops p50 <<<"$vals"
+		record "fio.$side.$name.mibs" "$mibs"
+		record "fio.$side.$name.iops" "$iops"
+		record "fio.$side.$name.p50" "$p50"
+	}
 	for run in $(seq "$RUNS"); do
-		n=${#SIDES[@]}
-		for i in $(seq 0 $((n - 1))); do
-			side=${SIDES[$(((i + run - 1) % n))]}
-			case $side in
-			raw) file=$RAW_FILE ;;
-			etcfs) mount_etcfs fio; file=$MNT/fio.dat ;;
-			deep) mount_etcfs fio-deep --ring-entries-per-queue "$DEEP"; file=$MNT/fio.dat ;;
-			esac
-			[ "$side" = raw ] || record "transport.$side" "$TRANSPORT"
+		# Each job on both sides back to back, raw first in every other job (and the other
+		# way round in the next repetition), so that the two sides of a ratio see the host
+		# in the same state: the raw file's 1 MiB write rate moved by 1.5x within minutes.
+		mount_etcfs fio
+		record "transport.etcfs" "$TRANSPORT"
+		j=0
+		for job in "${FIO_JOBS[@]}"; do
+			read -r name rw bs qd <<<"$job"
+			if [ $(((run + j) % 2)) = 1 ]; then order=(raw etcfs); else order=(etcfs raw); fi
+			for side in "${order[@]}"; do
+				if [ "$side" = raw ]; then file=$RAW_FILE; else file=$MNT/fio.dat; fi
+				fio_job "$run" "$side" "$file" "$name" "$rw" "$bs" "$qd"
+			done
+			j=$((j + 1))
+		done
+		unmount_etcfs
+		if [ "$DEEP" -gt 0 ]; then
+			mount_etcfs fio-deep --ring-entries-per-queue "$DEEP"
+			record "transport.deep" "$TRANSPORT"
 			for job in "${FIO_JOBS[@]}"; do
 				read -r name rw bs qd <<<"$job"
-				vals=$(run_fio "$file" "$name" "$rw" "$bs" "$qd")
-				log "fio run $run/$RUNS $side $name: MiB/s IOPS p50-µs = $vals"
-				read -r mibs iops p50 <<<"$vals"
-				record "fio.$side.$name.mibs" "$mibs"
-				record "fio.$side.$name.iops" "$iops"
-				record "fio.$side.$name.p50" "$p50"
+				fio_job "$run" deep "$MNT/fio.dat" "$name" "$rw" "$bs" "$qd"
 			done
-			[ "$side" = raw ] || unmount_etcfs
-		done
+			unmount_etcfs
+		fi
 	done
 	FIO_DONE=1
 fi
