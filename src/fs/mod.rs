@@ -3214,9 +3214,6 @@ fn device_pieces(len: u64) -> impl Iterator<Item = (u64, u64)> {
         .map(move |at| (at, (len - at).min(DEVICE_IO_MAX)))
 }
 
-/// The device writes of a whole-block overwrite of `[off, off + len)`, when every block of
-/// it is inside `size` and mapped to written (not unwritten) space; `None` otherwise (the
-/// write then needs allocation, read-modify-write or a commit).
 /// A whole-block overwrite of written blocks inside EOF, which changes no metadata but
 /// mtime (written at FLUSH/FSYNC/RELEASE): its device pieces, with the file's I/O count
 /// raised for them. `None` for any other write, or one that must clear set-id bits.
@@ -3236,6 +3233,9 @@ fn plan_overwrite(
     Some((segments, st.begin_io(f)))
 }
 
+/// The device writes of a whole-block overwrite of `[off, off + len)`, when every block of
+/// it is inside `size` and mapped to written (not unwritten) space; `None` otherwise (the
+/// write then needs allocation, read-modify-write or a commit).
 pub(crate) fn overwrite_segments(
     extents: &[FileExtent],
     size: u64,

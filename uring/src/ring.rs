@@ -117,7 +117,7 @@ impl<S: EntryMarker> Ring<S> {
     /// sleeping. Returns whether one is. With `COOP_TASKRUN` a completion raised on another
     /// CPU waits as task work until this thread enters the kernel; the `TASKRUN` flag says
     /// when there is some, and a zero-wait enter runs it.
-    pub fn spin_for_completion(&mut self, budget: Duration) -> io::Result<bool> {
+    fn spin_for_completion(&mut self, budget: Duration) -> io::Result<bool> {
         self.submit()?;
         let start = std::time::Instant::now();
         loop {

@@ -12,19 +12,18 @@ use std::{
 };
 
 use io_uring::{opcode, squeue, types};
-use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
+use uring::{AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 
 use crossbeam_channel::Sender;
 
 use super::{
-    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn,
-    submit_early, IoOutcome, IoProgress, SessionConfig, SessionError, Shared, OUT_HEADER_LEN,
-    REQUEST_HEADER_ROOM,
+    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits,
+    settle_worker_thread, spawn, submit_early, IoProgress, SessionConfig, SessionError, Shared,
+    OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
 };
 use crate::{
     mount::owned,
     opcode::Opcode,
-    reply,
     request::{self, Operation},
     server::{
         DeferredCompletion, DeferredOutcome, Hold, ReadPlan, Reply, RequestCtx, Segment, WritePlan,
@@ -136,14 +135,7 @@ impl<'a> Worker<'a> {
         waker: &'a Waker,
         started: &mpsc::Sender<Result<(), String>>,
     ) {
-        if let Err(e) = cpu::pin_current_thread(cpu) {
-            log::warn!("devfuse worker {core}: cannot pin to CPU {cpu}: {e}");
-        }
-        if !shared.device_spin.is_zero() {
-            if let Err(e) = cpu::set_timer_slack(std::time::Duration::from_nanos(1)) {
-                log::warn!("devfuse worker {core}: cannot set timer slack: {e}");
-            }
-        }
+        settle_worker_thread(shared, &format!("devfuse worker {core}"), cpu);
         let sq_entries_max = ((depth * 8 + 8) as u32).next_power_of_two();
         let ring: Ring = match Ring::new(RingConfig { sq_entries_max }) {
             Ok(r) => r,
@@ -509,22 +501,8 @@ impl<'a> Worker<'a> {
 
     fn finish_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
         self.holds[idx] = None;
-        match progress.outcome() {
-            IoOutcome::Failed(err) => self.reply(idx, p, err, 0),
-            IoOutcome::Written(written) => {
-                match reply::write(&mut self.slots[idx].out[ARGS_AT..], written) {
-                    Some(n) => self.reply(idx, p, 0, n),
-                    None => self.reply(idx, p, -libc::EIO, 0),
-                }
-            }
-            IoOutcome::Read { skip, len } => {
-                if skip > 0 {
-                    let args = &mut self.slots[idx].out[ARGS_AT..];
-                    args.copy_within(skip..skip + len, 0);
-                }
-                self.reply(idx, p, 0, len);
-            }
-        }
+        let (err, len) = progress.finish(&mut self.slots[idx].out[ARGS_AT..]);
+        self.reply(idx, p, err, len);
     }
 
     fn reply(&mut self, idx: usize, p: Pending, error: i32, len: usize) {

@@ -38,6 +38,7 @@ use crate::{
     mount::Mount,
     notify,
     opcode::Opcode,
+    reply,
     request::{self, Operation, Request},
     server::{Handler, ReadPlan, Reply, RequestCtx, Segment, WritePlan},
 };
@@ -480,7 +481,7 @@ pub(crate) struct IoProgress {
 
 /// What a finished [`IoProgress`] answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum IoOutcome {
+enum IoOutcome {
     /// Reply with this negative errno.
     Failed(i32),
     /// A READ: the reply is `len` bytes starting `skip` bytes into what was read.
@@ -551,7 +552,7 @@ impl IoProgress {
     }
 
     /// The reply once nothing is in flight.
-    pub(crate) fn outcome(&self) -> IoOutcome {
+    fn outcome(&self) -> IoOutcome {
         if self.error < 0 {
             return IoOutcome::Failed(self.error);
         }
@@ -582,6 +583,27 @@ impl IoProgress {
     }
 }
 
+impl IoProgress {
+    /// Lays out the reply once nothing is in flight, in `args` (the buffer the device reads
+    /// went into, where the reply's arguments go): returns its error (negative errno, or 0)
+    /// and its arguments' length.
+    pub(crate) fn finish(&self, args: &mut [u8]) -> (i32, usize) {
+        match self.outcome() {
+            IoOutcome::Failed(err) => (err, 0),
+            IoOutcome::Written(written) => match reply::write(args, written) {
+                Some(n) => (0, n),
+                None => (-libc::EIO, 0),
+            },
+            IoOutcome::Read { skip, len } => {
+                if skip > 0 {
+                    args.copy_within(skip..skip + len, 0);
+                }
+                (0, len)
+            }
+        }
+    }
+}
+
 /// Replies a worker queues from one batch of completions before handing them to the kernel
 /// mid-batch (after the first, then every this many).
 const EARLY_SUBMIT_EVERY: usize = 8;
@@ -596,6 +618,20 @@ pub(crate) fn submit_early(handled: usize, batch: usize) -> bool {
     handled < batch && (handled == 1 || handled.is_multiple_of(EARLY_SUBMIT_EVERY))
 }
 
+/// Pins a worker thread to `cpu` and, when it will nap through device transfers, sets its
+/// timer slack to 1 ns: the default lets the kernel fire a nap's timer up to 50 µs late
+/// (nanosleep overshot by 80 µs on this VM with it, 14–40 µs without).
+pub(crate) fn settle_worker_thread(shared: &Shared, who: &str, cpu: usize) {
+    if let Err(e) = uring::cpu::pin_current_thread(cpu) {
+        log::warn!("{who}: cannot pin to CPU {cpu}: {e}");
+    }
+    if !shared.device_spin.is_zero() {
+        if let Err(e) = uring::cpu::set_timer_slack(Duration::from_nanos(1)) {
+            log::warn!("{who}: cannot set timer slack: {e}");
+        }
+    }
+}
+
 /// How a worker waits for its next completion, given the device I/O it has in flight: the
 /// first is due when the transfer issued earliest, by its size's expected latency, ends.
 pub(crate) fn device_wait_plan<'a>(
@@ -604,9 +640,9 @@ pub(crate) fn device_wait_plan<'a>(
 ) -> WaitPlan {
     let first = in_flight
         .map(|io| (io.issued + spin.expected(io.transfer()), io.transfer()))
-        .min_by_key(|&(due, _)| due);
-    let now = Instant::now();
-    spin.plan(first.map(|(due, bytes)| (due.saturating_duration_since(now), bytes)))
+        .min_by_key(|&(due, _)| due)
+        .map(|(due, transfer)| (due.saturating_duration_since(Instant::now()), transfer));
+    spin.plan(first)
 }
 
 /// `fuse_out_header` bytes.
@@ -913,5 +949,28 @@ mod tests {
         whole.segment_queued(8192, true);
         whole.segment_done(8192);
         assert_eq!(whole.outcome(), IoOutcome::Written(8192));
+    }
+
+    #[test]
+    fn io_progress_lays_out_the_reply_where_the_data_was_read() {
+        let mut read = IoProgress::read(&plan(2, 3), false);
+        read.segment_queued(8, true);
+        read.segment_done(8);
+        let mut args = *b"..abc...";
+        assert_eq!(read.finish(&mut args), (0, 3));
+        assert_eq!(&args[..3], b"abc");
+
+        let mut write = IoProgress::write(4096);
+        write.segment_queued(4096, true);
+        write.segment_done(4096);
+        let mut args = [0u8; 64];
+        let (err, len) = write.finish(&mut args);
+        assert_eq!(err, 0);
+        assert!(len > 0);
+        assert_eq!(&args[..4], &4096u32.to_ne_bytes(), "fuse_write_out.size");
+
+        let mut failed = IoProgress::write(4096);
+        failed.segment_queued(4096, false);
+        assert_eq!(failed.finish(&mut args), (-libc::EIO, 0));
     }
 }

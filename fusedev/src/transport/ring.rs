@@ -22,13 +22,13 @@ use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits, spawn,
-    submit_early, IoOutcome, IoProgress, SessionConfig, Shared, REQUEST_HEADER_ROOM,
-    RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED,
+    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits,
+    settle_worker_thread, spawn, submit_early, IoProgress, SessionConfig, Shared,
+    REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED,
 };
 use crate::{
     errno::Errno,
-    reply, request,
+    request,
     server::{
         DeferredCompletion, DeferredOutcome, Hold, ReadPlan, Reply, RequestCtx, Segment, WritePlan,
     },
@@ -294,14 +294,7 @@ impl<'a> Worker<'a> {
         started: &mpsc::Sender<Result<(), String>>,
     ) {
         let waker = &peers.handoff[core].1;
-        if let Err(e) = cpu::pin_current_thread(cpu) {
-            log::warn!("ring worker {core}: cannot pin to CPU {cpu}: {e}");
-        }
-        if !shared.device_spin.is_zero() {
-            if let Err(e) = cpu::set_timer_slack(Duration::from_nanos(1)) {
-                log::warn!("ring worker {core}: cannot set timer slack: {e}");
-            }
-        }
+        settle_worker_thread(shared, &format!("ring worker {core}"), cpu);
         let entries_max = queues.len() * entries_per_queue;
         // Each entry has at most one command plus its READ segments in flight; segments are
         // bounded by the ring's size through back-pressure in `Ring::push`.
@@ -425,8 +418,7 @@ impl<'a> Worker<'a> {
                     _ => None,
                 }),
             );
-            let r = w.ring.before_sleep(plan);
-            match r {
+            match w.ring.before_sleep(plan) {
                 Ok(waited) => w.spin.after_wait(waited),
                 Err(e) => {
                     log::warn!("ring worker {core}: io_uring_enter: {e}");
@@ -676,11 +668,7 @@ impl<'a> Worker<'a> {
             }
             pos += seg.len();
         }
-        if !progress.in_flight() {
-            self.finish_read(idx, p, progress);
-        } else {
-            e.state = EntryState::DeviceIo(p, progress);
-        }
+        self.await_io(idx, p, progress);
     }
 
     /// Writes a WRITE's data from the payload to the device with io_uring WRITEs.
@@ -701,11 +689,7 @@ impl<'a> Worker<'a> {
             progress.segment_queued(seg.len, queued);
         }
         self.holds[idx] = plan.hold;
-        if !progress.in_flight() {
-            self.finish_read(idx, p, progress);
-        } else {
-            e.state = EntryState::DeviceIo(p, progress);
-        }
+        self.await_io(idx, p, progress);
     }
 
     fn segment_read(&mut self, idx: usize, result: i32) {
@@ -723,26 +707,23 @@ impl<'a> Worker<'a> {
         }
         self.recorder
             .record_since(p.op, perf::Stage::DeviceIo, &p.started);
-        self.finish_read(idx, p, progress);
+        self.finish_io(idx, p, progress);
     }
 
-    fn finish_read(&mut self, idx: usize, p: Pending, progress: IoProgress) {
-        self.holds[idx] = None;
-        match progress.outcome() {
-            IoOutcome::Failed(err) => self.reply(idx, p, err, 0),
-            IoOutcome::Written(written) => {
-                match reply::write(&mut self.entries[idx].payload, written) {
-                    Some(n) => self.reply(idx, p, 0, n),
-                    None => self.reply(idx, p, -libc::EIO, 0),
-                }
-            }
-            IoOutcome::Read { skip, len } => {
-                if skip > 0 {
-                    self.entries[idx].payload.copy_within(skip..skip + len, 0);
-                }
-                self.reply(idx, p, 0, len);
-            }
+    /// Parks the entry until its device I/O completes, or answers at once if none was
+    /// queued.
+    fn await_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        if progress.in_flight() {
+            self.entries[idx].state = EntryState::DeviceIo(p, progress);
+        } else {
+            self.finish_io(idx, p, progress);
         }
+    }
+
+    fn finish_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        self.holds[idx] = None;
+        let (err, len) = progress.finish(&mut self.entries[idx].payload);
+        self.reply(idx, p, err, len);
     }
 
     /// Writes the out header and payload size, and commits (which fetches the next request).
