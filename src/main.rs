@@ -121,7 +121,7 @@ pub(crate) struct MountArgs {
     /// directory is looked up name by name.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) dir_names_max: u64,
-    /// FUSE ring entries registered per CPU queue (each holds a `max_write` buffer, 1 MiB).
+    /// FUSE ring entries registered per CPU queue (each holds a 1 MiB buffer).
     /// A request keeps its entry until answered, so this bounds the requests in flight per
     /// queue (fio at queue depth 32 needs 32). Default: 32, fewer on machines with many
     /// CPUs so that all queues' buffers stay within 256 MiB, but never fewer than 8.
@@ -129,7 +129,8 @@ pub(crate) struct MountArgs {
     pub(crate) ring_entries_per_queue: Option<u32>,
     /// Ring transport: a worker with more than this many requests in service passes some
     /// of its CPU's queue entries to a less busy worker, so that one process issuing deep
-    /// I/O from one CPU is served by several; they come back when the load drops. 0 keeps
+    /// I/O from one CPU is served by several; they come back when the load drops. The
+    /// pieces of writes larger than 512 KiB are spread over the workers at any load. 0 keeps
     /// every request on the worker of the CPU that made it.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub(crate) ring_share_above: u32,

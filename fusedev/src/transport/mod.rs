@@ -47,8 +47,14 @@ use crate::{
 pub const REQUEST_HEADER_ROOM: usize = 4096;
 /// Size of `fuse_out_header`.
 pub const OUT_HEADER_LEN: usize = 16;
-/// `max_write` when requests travel over the ring: the kernel's largest request (256 pages).
-pub const RING_MAX_WRITE: u32 = 1 << 20;
+/// `max_write` when requests travel over the ring. The kernel copies a WRITE's data into
+/// the ring entry in the thread of the worker that takes it (about 100 µs per MiB on the
+/// benchmark VM, longer than the request's other overheads together), so a larger
+/// application write is better sent as pieces that several workers take and copy at once
+/// (see `ring::Peers`); reads still come whole (up to [`RING_MAX_PAGES`]).
+pub const RING_MAX_WRITE: u32 = 512 << 10;
+/// `max_pages` over the ring: the kernel's largest request (1 MiB), which READs use.
+pub const RING_MAX_PAGES: u16 = 256;
 /// `max_write` on `/dev/fuse`: a spliced reply must fit whole in a pipe, pipes are capped at
 /// 1 MiB without CAP_SYS_RESOURCE, and a pipe slot is a page, so 512 KiB leaves room.
 pub const DEVFUSE_MAX_WRITE: u32 = 512 << 10;
@@ -65,11 +71,18 @@ pub enum TransportChoice {
 }
 
 /// Named counters the transport keeps in the session's `perf` registry, in this order.
-pub const COUNTERS: [&str; 2] = ["ring_entries_passed", "ring_entries_returned"];
+pub const COUNTERS: [&str; 3] = [
+    "ring_entries_passed",
+    "ring_entries_returned",
+    "ring_write_pieces_spread",
+];
 /// Index in [`COUNTERS`]: ring entries a worker passed to a less busy one.
 pub(crate) const RING_ENTRIES_PASSED: usize = 0;
 /// Index in [`COUNTERS`]: ring entries given back to their queue's own worker.
 pub(crate) const RING_ENTRIES_RETURNED: usize = 1;
+/// Index in [`COUNTERS`]: ring entries passed on after one worker took several pieces of
+/// one large write (so that their next pieces go to different workers).
+pub(crate) const RING_WRITE_PIECES_SPREAD: usize = 2;
 
 /// Limits and placement of a session.
 #[derive(Debug, Clone)]
@@ -196,14 +209,15 @@ impl Session {
             TransportChoice::Uring => true,
             TransportChoice::Auto => offered && uring_possible,
         };
-        let max_write = if use_ring {
-            RING_MAX_WRITE
+        let (max_write, max_pages) = if use_ring {
+            (RING_MAX_WRITE, RING_MAX_PAGES)
         } else {
-            DEVFUSE_MAX_WRITE
+            let pages = u16::try_from(DEVFUSE_MAX_WRITE / 4096).expect("at most 256 pages");
+            (DEVFUSE_MAX_WRITE, pages)
         };
         let init_cfg = InitConfig {
             max_write,
-            max_pages: u16::try_from(max_write / 4096).expect("at most 256 pages"),
+            max_pages,
             over_io_uring: use_ring,
             splice_write: true,
             ..InitConfig::default()
