@@ -76,7 +76,7 @@ struct Pending {
 /// worker that would copy it instead.
 const SPREAD_PIECE_MIN: usize = 256 << 10;
 
-/// Where a large WRITE's entry goes at its commit. The kernel sends an application write
+/// Where a large WRITE's entry goes at its commit. The kernel sends a direct-I/O write
 /// larger than `max_write` as pieces, all at once, to its CPU's queue, where each takes the
 /// most recently committed entry; it copies each piece's data into its entry in the thread
 /// of the worker the entry is committed through. Pieces that reach one worker are copied
