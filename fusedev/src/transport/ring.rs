@@ -71,9 +71,9 @@ struct Pending {
     piece: Piece,
 }
 
-/// A WRITE of at least this many bytes is a piece worth spreading: copying it into the entry
-/// takes the kernel longer (about 25 µs for 256 KiB on the benchmark VM) than waking the
-/// worker that would copy it instead.
+/// A WRITE of at least this many bytes counts as a piece of a large write. Small WRITEs,
+/// however many arrive together (4 KiB ones at queue depth 32), are left to the load rules:
+/// their copies are short, and spreading them would move entries at every batch.
 const SPREAD_PIECE_MIN: usize = 256 << 10;
 
 /// Where a large WRITE's entry goes at its commit. The kernel sends a direct-I/O write
