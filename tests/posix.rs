@@ -3062,16 +3062,17 @@ fn deep_io_from_one_cpu_is_shared_between_workers() {
     m.stop();
 }
 
-/// The pieces of large O_DIRECT writes from one CPU are spread over the workers: the
-/// kernel sends a 1 MiB write as two 512 KiB WRITEs at once, and the worker that took both
-/// passes one entry on, so that later pieces are copied by two workers in parallel. The
-/// writes alternate between an overwrite of laid-out space and an append (allocation);
-/// every piece lands where it belongs, before and after a remount.
+/// The pieces of large O_DIRECT writes are spread over the workers: the kernel sends a
+/// 1 MiB write as two 512 KiB WRITEs at once, and a worker that took both passes one entry
+/// on, so that later pieces are copied by two workers in parallel. Two threads, each pinned
+/// to its own CPU, write alternate 1 MiB slots of one file at the same time: overwrites of
+/// laid-out space, then appends that extend the file past each other's holes. Every piece
+/// lands where it belongs, before and after a remount.
 #[test]
 fn large_write_pieces_are_spread_between_workers() {
     const T: &str = "large_write_pieces_are_spread_between_workers";
     const MIB: usize = 1 << 20;
-    const WRITES: usize = 24;
+    const WRITES: usize = 32;
     let Some(fs) = TestFs::new_or_skip(T, None) else {
         return;
     };
@@ -3088,23 +3089,25 @@ fn large_write_pieces_are_spread_between_workers() {
     fs::write(&p, pattern(WRITES / 2 * MIB, 1)).expect("lay out the first half");
     let chunk = |i: usize| pattern(MIB, (i * 13 + 2) as u8);
     std::thread::scope(|s| {
-        s.spawn(|| {
-            uring::cpu::pin_current_thread(cpus[0]).expect("pin to one CPU");
-            let f = OpenOptions::new()
-                .write(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&p)
-                .expect("open O_DIRECT");
-            let mut backing = vec![0u8; 2 * MIB];
-            let at = backing.as_ptr().align_offset(4096);
-            let buf = &mut backing[at..at + MIB];
-            // Overwrites of the laid-out half, then appends past it.
-            for i in 0..WRITES {
-                buf.copy_from_slice(&chunk(i));
-                f.write_all_at(buf, (i * MIB) as u64)
-                    .expect("1 MiB O_DIRECT pwrite");
-            }
-        });
+        for (t, &cpu) in cpus.iter().take(2).enumerate() {
+            let p = &p;
+            s.spawn(move || {
+                uring::cpu::pin_current_thread(cpu).expect("pin to one CPU");
+                let f = OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_DIRECT)
+                    .open(p)
+                    .expect("open O_DIRECT");
+                let mut backing = vec![0u8; 2 * MIB];
+                let at = backing.as_ptr().align_offset(4096);
+                let buf = &mut backing[at..at + MIB];
+                for i in (t..WRITES).step_by(2) {
+                    buf.copy_from_slice(&chunk(i));
+                    f.write_all_at(buf, (i * MIB) as u64)
+                        .expect("1 MiB O_DIRECT pwrite");
+                }
+            });
+        }
     });
     let model: Vec<u8> = (0..WRITES).flat_map(chunk).collect();
     assert_same_bytes("after the writes", &fs::read(&p).expect("read"), &model);
