@@ -2993,17 +2993,9 @@ fn deep_io_from_one_cpu_is_shared_between_workers() {
     const THREADS: usize = 16;
     const BLOCKS: usize = 512;
     const ROUNDS: usize = 6;
-    let Some(fs) = TestFs::new_or_skip(T, None) else {
+    let Some((fs, cpus)) = uring_fs_on_two_cpus(T) else {
         return;
     };
-    if !common::can_run(T, Some("uring")) {
-        return;
-    }
-    let cpus = uring::cpu::allowed_cpus().expect("allowed CPUs");
-    if cpus.len() < 2 {
-        println!("SKIP: {T}: needs two CPUs");
-        return;
-    }
     let m = fs.mount("uring", &["--ring-share-above", "1"]);
     let p = m.path("deep");
     fs::write(&p, pattern(BLOCKS * 4096, 5)).expect("write the file");
@@ -3020,9 +3012,8 @@ fn deep_io_from_one_cpu_is_shared_between_workers() {
                     .custom_flags(libc::O_DIRECT)
                     .open(p)
                     .expect("open O_DIRECT");
-                let mut backing = vec![0u8; 8192];
-                let at = backing.as_ptr().align_offset(4096);
-                let buf = &mut backing[at..at + 4096];
+                let mut backing = vec![0u8; 2 * 4096];
+                let buf = block_aligned(&mut backing, 4096);
                 for round in 0..ROUNDS {
                     for b in (t..BLOCKS).step_by(THREADS) {
                         buf.copy_from_slice(&block(t, round, b));
@@ -3044,20 +3035,52 @@ fn deep_io_from_one_cpu_is_shared_between_workers() {
         model.extend_from_slice(&block(b % THREADS, ROUNDS - 1, b));
     }
     assert_same_bytes("after the threads", &fs::read(&p).expect("read"), &model);
-    let passed = m.stats_json()["counters"]["ring_entries_passed"]
-        .as_u64()
-        .unwrap_or(0);
+    assert_counter_moved_then_remount(&fs, m, "ring_entries_passed", "deep", &model);
+}
+
+/// The filesystem of test `t` and the CPUs it may use, when the ring transport is there
+/// and there are two CPUs for its workers; `None` (the test skips, saying why) otherwise.
+fn uring_fs_on_two_cpus(t: &str) -> Option<(TestFs, Vec<usize>)> {
+    let fs = TestFs::new_or_skip(t, None)?;
+    if !common::can_run(t, Some("uring")) {
+        return None;
+    }
+    let cpus = uring::cpu::allowed_cpus().expect("allowed CPUs");
+    if cpus.len() < 2 {
+        println!("SKIP: {t}: needs two CPUs");
+        return None;
+    }
+    Some((fs, cpus))
+}
+
+/// The first `len` bytes of `backing` that start on a 4 KiB boundary, for O_DIRECT
+/// (`backing` needs 4 KiB of room beyond `len`).
+fn block_aligned(backing: &mut [u8], len: usize) -> &mut [u8] {
+    let at = backing.as_ptr().align_offset(4096);
+    &mut backing[at..at + len]
+}
+
+/// Asserts that the transport counter `counter` of mount `m` moved, then remounts and
+/// checks that `file` still reads back as `model`.
+fn assert_counter_moved_then_remount(
+    fs: &TestFs,
+    m: common::Daemon,
+    counter: &str,
+    file: &str,
+    model: &[u8],
+) {
+    let moved = m.stats_json()["counters"][counter].as_u64().unwrap_or(0);
     assert!(
-        passed > 0,
-        "no ring entry passed to the other worker: {}",
+        moved > 0,
+        "{counter} stayed 0: {}",
         m.stats_json()["counters"]
     );
     m.stop();
     let m = fs.mount("uring", &[]);
     assert_same_bytes(
         "after remount",
-        &fs::read(m.path("deep")).expect("read after remount"),
-        &model,
+        &fs::read(m.path(file)).expect("read after remount"),
+        model,
     );
     m.stop();
 }
@@ -3073,17 +3096,9 @@ fn large_write_pieces_are_spread_between_workers() {
     const T: &str = "large_write_pieces_are_spread_between_workers";
     const MIB: usize = 1 << 20;
     const WRITES: usize = 32;
-    let Some(fs) = TestFs::new_or_skip(T, None) else {
+    let Some((fs, cpus)) = uring_fs_on_two_cpus(T) else {
         return;
     };
-    if !common::can_run(T, Some("uring")) {
-        return;
-    }
-    let cpus = uring::cpu::allowed_cpus().expect("allowed CPUs");
-    if cpus.len() < 2 {
-        println!("SKIP: {T}: needs two CPUs");
-        return;
-    }
     let m = fs.mount("uring", &[]);
     let p = m.path("pieces");
     fs::write(&p, pattern(WRITES / 2 * MIB, 1)).expect("lay out the first half");
@@ -3098,9 +3113,8 @@ fn large_write_pieces_are_spread_between_workers() {
                     .custom_flags(libc::O_DIRECT)
                     .open(p)
                     .expect("open O_DIRECT");
-                let mut backing = vec![0u8; 2 * MIB];
-                let at = backing.as_ptr().align_offset(4096);
-                let buf = &mut backing[at..at + MIB];
+                let mut backing = vec![0u8; MIB + 4096];
+                let buf = block_aligned(&mut backing, MIB);
                 for i in (t..WRITES).step_by(2) {
                     buf.copy_from_slice(&chunk(i));
                     f.write_all_at(buf, (i * MIB) as u64)
@@ -3111,20 +3125,5 @@ fn large_write_pieces_are_spread_between_workers() {
     });
     let model: Vec<u8> = (0..WRITES).flat_map(chunk).collect();
     assert_same_bytes("after the writes", &fs::read(&p).expect("read"), &model);
-    let spread = m.stats_json()["counters"]["ring_write_pieces_spread"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(
-        spread > 0,
-        "no write piece was spread to the other worker: {}",
-        m.stats_json()["counters"]
-    );
-    m.stop();
-    let m = fs.mount("uring", &[]);
-    assert_same_bytes(
-        "after remount",
-        &fs::read(m.path("pieces")).expect("read after remount"),
-        &model,
-    );
-    m.stop();
+    assert_counter_moved_then_remount(&fs, m, "ring_write_pieces_spread", "pieces", &model);
 }
