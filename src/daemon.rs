@@ -137,6 +137,7 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
         ring_share_above: args.ring_share_above as usize,
         devfuse_reads_per_core: args.devfuse_reads_per_core as usize,
         device_spin: std::time::Duration::from_micros(args.device_spin_us),
+        ring_linger: std::time::Duration::from_micros(args.ring_linger_us),
     };
     let handler_for_stats = handler.clone();
     let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)

@@ -3125,5 +3125,12 @@ fn large_write_pieces_are_spread_between_workers() {
     });
     let model: Vec<u8> = (0..WRITES).flat_map(chunk).collect();
     assert_same_bytes("after the writes", &fs::read(&p).expect("read"), &model);
+    // A worker that served the other CPU's pieces spins for the next ones before sleeping.
+    let counters = m.stats_json()["counters"].clone();
+    let lingers: u64 = ["ring_linger_hits", "ring_linger_misses"]
+        .iter()
+        .map(|k| counters[k].as_u64().unwrap_or(0))
+        .sum();
+    assert!(lingers > 0, "no worker lingered: {counters}");
     assert_counter_moved_then_remount(&fs, m, "ring_write_pieces_spread", "pieces", &model);
 }

@@ -127,6 +127,7 @@ fn mount(fs: Arc<OneFile>, transport: TransportChoice) -> Mounted {
         ring_share_above: 0,
         devfuse_reads_per_core: 2,
         device_spin: std::time::Duration::ZERO,
+        ring_linger: std::time::Duration::ZERO,
     };
     let session = Session::start(mnt, fs, perf, &cfg, true).expect("start session");
     Mounted {

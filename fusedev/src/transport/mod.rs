@@ -71,10 +71,12 @@ pub enum TransportChoice {
 }
 
 /// Named counters the transport keeps in the session's `perf` registry, in this order.
-pub const COUNTERS: [&str; 3] = [
+pub const COUNTERS: [&str; 5] = [
     "ring_entries_passed",
     "ring_entries_returned",
     "ring_write_pieces_spread",
+    "ring_linger_hits",
+    "ring_linger_misses",
 ];
 /// Index in [`COUNTERS`]: ring entries a worker passed to a less busy one.
 pub(crate) const RING_ENTRIES_PASSED: usize = 0;
@@ -83,6 +85,11 @@ pub(crate) const RING_ENTRIES_RETURNED: usize = 1;
 /// Index in [`COUNTERS`]: ring entries passed on after one worker took several pieces of
 /// one large write (so that their next pieces go to different workers).
 pub(crate) const RING_WRITE_PIECES_SPREAD: usize = 2;
+/// Index in [`COUNTERS`]: lingers (see [`SessionConfig::ring_linger`]) that saw the next
+/// request or completion arrive.
+pub(crate) const RING_LINGER_HITS: usize = 3;
+/// Index in [`COUNTERS`]: lingers that ran out, after which the worker slept.
+pub(crate) const RING_LINGER_MISSES: usize = 4;
 
 /// Limits and placement of a session.
 #[derive(Debug, Clone)]
@@ -103,6 +110,10 @@ pub struct SessionConfig {
     /// sleeping, and how early it wakes from a nap through a long transfer (see
     /// [`uring::SpinPolicy`]); zero never spins.
     pub device_spin: std::time::Duration,
+    /// Ring transport: how long a worker that has just served requests from another CPU's
+    /// queue, and has nothing else to do, spins for the next one before sleeping (see
+    /// `ring::linger_plan`); zero never lingers.
+    pub ring_linger: std::time::Duration,
 }
 
 /// The transport serving a mount, as reported by `etcfs stats`.
@@ -152,6 +163,8 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     /// See [`SessionConfig::device_spin`].
     pub(crate) device_spin: std::time::Duration,
+    /// See [`SessionConfig::ring_linger`].
+    pub(crate) ring_linger: std::time::Duration,
     notify_gate: Arc<NotifyGate>,
 }
 
@@ -247,6 +260,7 @@ impl Session {
             negotiated,
             stop: AtomicBool::new(false),
             device_spin: cfg.device_spin,
+            ring_linger: cfg.ring_linger,
             notify_gate: Arc::default(),
         });
         let wakers = Arc::new(Mutex::new(Vec::new()));

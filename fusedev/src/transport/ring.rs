@@ -17,14 +17,15 @@ use std::{
 };
 
 use io_uring::{opcode, squeue::Entry128, types};
-use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
+use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, WaitPlan, Waited, Waker};
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits,
     settle_worker_thread, spawn, submit_early, IoProgress, SessionConfig, Shared,
-    REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED, RING_WRITE_PIECES_SPREAD,
+    REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED, RING_LINGER_HITS,
+    RING_LINGER_MISSES, RING_WRITE_PIECES_SPREAD,
 };
 use crate::{
     errno::Errno,
@@ -304,10 +305,27 @@ pub(crate) fn start(
     }
 }
 
+/// How long a worker spins for its next request before sleeping: `linger` when it has just
+/// answered a request made on another CPU and its device wait plan is to sleep, else none.
+///
+/// A process doing synchronous I/O sends its next request some tens of µs after the reply,
+/// and waking a worker whose CPU has halted costs 30–50 µs on a VM. For a large WRITE that
+/// wake-up is on the critical path: the process keeps its own CPU for about 35 µs after the
+/// first piece while it sends the others, so the piece that lands on the other CPU's worker
+/// is copied first only if that worker is awake. Spinning on the requester's own CPU would
+/// take the CPU it is about to run on, hence only after serving another CPU's queue.
+fn linger_budget(device_plan: WaitPlan, served_remote: bool, linger: Duration) -> Option<Duration> {
+    (device_plan == WaitPlan::Sleep && served_remote && !linger.is_zero()).then_some(linger)
+}
+
 /// One pinned worker: its ring, its entries and its deferred-reply channel.
 struct Worker<'a> {
     shared: &'a Shared,
     core: usize,
+    /// The CPU this worker is pinned to; a queue's id is the CPU its requests come from.
+    cpu: usize,
+    /// Whether a reply since the last wait answered a request from another CPU's queue.
+    served_remote: bool,
     ring: Ring<Entry128>,
     entries: Vec<Entry>,
     devfd: i32,
@@ -398,6 +416,8 @@ impl<'a> Worker<'a> {
         let mut w = Worker {
             shared,
             core,
+            cpu,
+            served_remote: false,
             ring,
             devfd: shared.mount.fd(),
             device_ios: 0,
@@ -471,12 +491,25 @@ impl<'a> Worker<'a> {
                     _ => None,
                 }),
             );
-            match w.ring.before_sleep(plan) {
-                Ok(waited) => w.spin.after_wait(waited),
-                Err(e) => {
-                    log::warn!("ring worker {core}: io_uring_enter: {e}");
-                    break;
-                }
+            let served_remote = std::mem::take(&mut w.served_remote);
+            let waited = match linger_budget(plan, served_remote, shared.ring_linger) {
+                // Not a device wait: kept out of the device spin's estimates and backoff.
+                Some(budget) => w.ring.before_sleep(WaitPlan::Spin(budget)).map(|waited| {
+                    let counter = if waited == Waited::SpinHit {
+                        RING_LINGER_HITS
+                    } else {
+                        RING_LINGER_MISSES
+                    };
+                    w.recorder.add_counter(counter, 1);
+                }),
+                None => w
+                    .ring
+                    .before_sleep(plan)
+                    .map(|waited| w.spin.after_wait(waited)),
+            };
+            if let Err(e) = waited {
+                log::warn!("ring worker {core}: io_uring_enter: {e}");
+                break;
             }
             if let Err(e) = w.ring.submit_and_wait(1, None) {
                 log::warn!("ring worker {core}: io_uring_enter: {e}");
@@ -794,6 +827,7 @@ impl<'a> Worker<'a> {
         let sz = u32::try_from(len).expect("payload below 4 GiB");
         e.header[ENT_OFFSET + 16..ENT_OFFSET + 20].copy_from_slice(&sz.to_ne_bytes());
         let qid = e.qid;
+        self.served_remote |= usize::from(qid) != self.cpu;
         self.recorder
             .record_since(p.op, perf::Stage::Total, &p.started);
         let target = match p.piece {
@@ -858,9 +892,12 @@ fn cmd_req(commit_id: u64, qid: u16) -> [u8; 80] {
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_entries_per_queue, LoadSlot, Peers, Piece};
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use uring::Waker;
+    use super::{auto_entries_per_queue, linger_budget, LoadSlot, Peers, Piece};
+    use std::{
+        sync::atomic::{AtomicUsize, Ordering},
+        time::Duration,
+    };
+    use uring::{WaitPlan, Waker};
 
     /// Peers with these loads, one queue per worker (queue `w` at home on worker `w`).
     fn peers(loads: &[usize], share_above: usize) -> Peers {
@@ -884,6 +921,22 @@ mod tests {
             home: (0..loads.len()).collect(),
             share_above,
         }
+    }
+
+    #[test]
+    fn a_worker_lingers_only_after_another_cpus_request_and_with_no_device_wait() {
+        let linger = Duration::from_micros(80);
+        assert_eq!(linger_budget(WaitPlan::Sleep, true, linger), Some(linger));
+        assert_eq!(linger_budget(WaitPlan::Sleep, false, linger), None);
+        assert_eq!(linger_budget(WaitPlan::Sleep, true, Duration::ZERO), None);
+        // A device transfer in flight keeps its own plan (spin near its expected end).
+        let device = WaitPlan::Spin(Duration::from_micros(100));
+        assert_eq!(linger_budget(device, true, linger), None);
+        let nap = WaitPlan::NapThenSpin {
+            nap: Duration::from_micros(200),
+            spin: Duration::from_micros(100),
+        };
+        assert_eq!(linger_budget(nap, true, linger), None);
     }
 
     #[test]
