@@ -112,7 +112,7 @@ pub struct SessionConfig {
     pub device_spin: std::time::Duration,
     /// Ring transport: how long a worker that has just served requests from another CPU's
     /// queue, and has nothing else to do, spins for the next one before sleeping (see
-    /// `ring::linger_plan`); zero never lingers.
+    /// `ring::linger_budget`); zero never lingers.
     pub ring_linger: std::time::Duration,
 }
 
