@@ -609,9 +609,7 @@ impl IoProgress {
             },
         }
     }
-}
 
-impl IoProgress {
     /// Lays out the reply once nothing is in flight, in `args` (the buffer the device reads
     /// went into, where the reply's arguments go): returns its error (negative errno, or 0)
     /// and its arguments' length.
