@@ -38,6 +38,11 @@ pub(crate) enum AllocError {
     NotFree(Extent),
     /// An encoded free map is malformed.
     Decode(String),
+    /// Replacing the map of a group this node allocates in: its blocks handed out but not
+    /// yet committed are only in the loaded map, and a reload would hand them out again.
+    ReloadOwned(AgId),
+    /// Giving up a group that still holds blocks handed out and not yet committed.
+    GroupBusy(AgId),
 }
 
 impl AllocError {
@@ -70,6 +75,12 @@ impl fmt::Display for AllocError {
             }
             AllocError::NotFree(e) => write!(f, "{e} is not entirely free"),
             AllocError::Decode(why) => write!(f, "corrupt free map: {why}"),
+            AllocError::ReloadOwned(ag) => {
+                write!(f, "refusing to reload the free map of owned group {ag}")
+            }
+            AllocError::GroupBusy(ag) => {
+                write!(f, "{ag} holds blocks of writes not yet committed")
+            }
         }
     }
 }
@@ -288,11 +299,22 @@ impl AgFreeMap {
 }
 
 /// The allocator of one node: the loaded free maps and the groups it may allocate in.
+///
+/// Blocks live in one of three states here: free, *reserved* (handed out by
+/// [`Allocator::alloc`] for a write whose extents have not committed: write-behind keeps
+/// them for up to a second), and used (committed, or about to be). The loaded maps count
+/// reserved blocks as used, so they are never handed out twice; what etcd is told
+/// ([`Allocator::encode_published`]) counts them as free, so a crash before their commit
+/// leaks nothing: a block is published as used only in the commit of the extent that
+/// points at it ([`Allocator::publish`]).
 #[derive(Debug, Clone)]
 pub(crate) struct Allocator {
     geometry: Geometry,
     groups: BTreeMap<AgId, AgFreeMap>,
     owned: BTreeSet<AgId>,
+    /// Reserved extents (see above), start → length, coalesced; always inside owned groups
+    /// and never free in their maps.
+    reserved: BTreeMap<u64, u64>,
 }
 
 impl Allocator {
@@ -302,6 +324,7 @@ impl Allocator {
             geometry,
             groups: BTreeMap::new(),
             owned: BTreeSet::new(),
+            reserved: BTreeMap::new(),
         }
     }
 
@@ -322,16 +345,79 @@ impl Allocator {
         &self.geometry
     }
 
-    /// Loads (or replaces) a group's free map, e.g. one just decoded from etcd.
+    /// Loads (or replaces) a group's free map, e.g. one just decoded from etcd. Refused for
+    /// an owned group: the loaded map is the only record of the blocks handed out from it
+    /// since its last commit, and etcd's copy lags it by up to a write-behind interval (two
+    /// writers that both claimed the group at once used to reload it, and were given the
+    /// same blocks).
     pub(crate) fn load_group(&mut self, map: AgFreeMap) -> Result<(), AllocError> {
         if self.geometry.ag_extent(map.ag) != Some(map.span) {
             return Err(AllocError::BadOwnership(map.ag));
+        }
+        if self.owned.contains(&map.ag) {
+            return Err(AllocError::ReloadOwned(map.ag));
         }
         self.groups.insert(map.ag, map);
         Ok(())
     }
 
+    /// Takes a group on: it must be loaded. Owning it twice changes nothing.
+    pub(crate) fn own(&mut self, ag: AgId) -> Result<(), AllocError> {
+        if !self.groups.contains_key(&ag) {
+            return Err(AllocError::BadOwnership(ag));
+        }
+        self.owned.insert(ag);
+        Ok(())
+    }
+
+    /// Gives a group up (to hand it to another node): refused while any of its blocks are
+    /// reserved, since their commit must carry the group's map under this node's ownership.
+    /// The map stays loaded, for frees that still land in it.
+    pub(crate) fn disown(&mut self, ag: AgId) -> Result<(), AllocError> {
+        let span = self
+            .geometry
+            .ag_extent(ag)
+            .ok_or(AllocError::BadOwnership(ag))?;
+        if overlaps(&self.reserved, span) {
+            return Err(AllocError::GroupBusy(ag));
+        }
+        self.owned.remove(&ag);
+        Ok(())
+    }
+
+    /// Blocks reserved (handed out, not yet committed) in `ag`.
+    pub(crate) fn reserved_in(&self, ag: AgId) -> u64 {
+        let Some(span) = self.geometry.ag_extent(ag) else {
+            return 0;
+        };
+        within(&self.reserved, span).map(|e| e.len).sum()
+    }
+
+    /// The extents about to commit become used in what etcd is told: call under the same
+    /// lock as the [`Allocator::encode_published`] whose maps go with their commit. Parts
+    /// not reserved (published before) are left as they are.
+    pub(crate) fn publish(&mut self, exts: &[Extent]) {
+        for e in exts {
+            remove_range(&mut self.reserved, *e);
+        }
+    }
+
+    /// A group's map as etcd must store it: reserved blocks count as free there.
+    pub(crate) fn encode_published(&self, ag: AgId) -> Option<Vec<u8>> {
+        let map = self.groups.get(&ag)?;
+        let span = map.span;
+        let mut published = map.clone();
+        for e in within(&self.reserved, span) {
+            // Reserved blocks are used in the loaded map (checked when reserved).
+            published
+                .free(e)
+                .expect("reserved blocks are never free in the loaded map");
+        }
+        Some(published.encode())
+    }
+
     /// Sets the groups this node may allocate in; each must exist and be loaded.
+    #[cfg(test)]
     pub(crate) fn set_owned(&mut self, owned: BTreeSet<AgId>) -> Result<(), AllocError> {
         if let Some(&bad) = owned.iter().find(|ag| !self.groups.contains_key(ag)) {
             return Err(AllocError::BadOwnership(bad));
@@ -410,7 +496,9 @@ impl Allocator {
             if let Some(start) = map.find_fit(len, g) {
                 map.take(start, len);
                 map.assert_ok();
-                return Ok(vec![Extent::new(start, len)]);
+                let out = vec![Extent::new(start, len)];
+                self.reserve(&out);
+                return Ok(out);
             }
         }
         // Fragmented: take the largest free extents until `len` is covered.
@@ -436,7 +524,22 @@ impl Allocator {
         for ag in &order {
             self.groups[ag].assert_ok();
         }
+        self.reserve(&out);
         Ok(out)
+    }
+
+    /// Records blocks just handed out. The check is the last line of defence against two
+    /// files sharing blocks, so it runs in every build: a block handed out while it is
+    /// still reserved for another write means a map was replaced or corrupted under us,
+    /// and a panic (the request fails with EIO) is better than silent corruption.
+    fn reserve(&mut self, exts: &[Extent]) {
+        for e in exts {
+            assert!(
+                !overlaps(&self.reserved, *e),
+                "allocator handed out {e} while part of it is reserved for another write"
+            );
+            insert_range(&mut self.reserved, *e);
+        }
     }
 
     /// Splits an extent at group boundaries, or fails if any part is outside every group.
@@ -486,7 +589,65 @@ impl Allocator {
             let map = self.groups.get_mut(ag).expect("checked above");
             map.free(*part).expect("checked above: no overlap");
         }
+        // A write that failed before its commit gives its reserved blocks back.
+        remove_range(&mut self.reserved, ext);
         Ok(parts.into_iter().map(|(ag, _)| ag).collect())
+    }
+}
+
+/// The parts of a coalesced start → length set inside `span` (an extent of the set may
+/// run on across a group boundary).
+fn within(set: &BTreeMap<u64, u64>, span: Extent) -> impl Iterator<Item = Extent> + '_ {
+    let first = set
+        .range(..span.start.0)
+        .next_back()
+        .map_or(span.start.0, |(&s, _)| s);
+    set.range(first..span.end()).filter_map(move |(&s, &l)| {
+        let (a, b) = (s.max(span.start.0), (s + l).min(span.end()));
+        (a < b).then(|| Extent::new(a, b - a))
+    })
+}
+
+/// Whether any extent of a coalesced start → length set overlaps `e`.
+fn overlaps(set: &BTreeMap<u64, u64>, e: Extent) -> bool {
+    set.range(..e.end())
+        .next_back()
+        .is_some_and(|(&s, &l)| s + l > e.start.0)
+}
+
+/// Adds `e` (disjoint from the set) to a coalesced start → length set.
+fn insert_range(set: &mut BTreeMap<u64, u64>, e: Extent) {
+    let (mut start, mut len) = (e.start.0, e.len);
+    if let Some((&ps, &pl)) = set.range(..start).next_back() {
+        if ps + pl == start {
+            set.remove(&ps);
+            start = ps;
+            len += pl;
+        }
+    }
+    if let Some(nl) = set.remove(&e.end()) {
+        len += nl;
+    }
+    set.insert(start, len);
+}
+
+/// Removes whatever of `e` a coalesced start → length set holds.
+fn remove_range(set: &mut BTreeMap<u64, u64>, e: Extent) {
+    let (s, end) = (e.start.0, e.end());
+    let hit: Vec<(u64, u64)> = set
+        .range(..end)
+        .rev()
+        .take_while(|(&fs, &fl)| fs + fl > s)
+        .map(|(&fs, &fl)| (fs, fl))
+        .collect();
+    for (fs, fl) in hit {
+        set.remove(&fs);
+        if fs < s {
+            set.insert(fs, s - fs);
+        }
+        if fs + fl > end {
+            set.insert(end, fs + fl - end);
+        }
     }
 }
 
@@ -894,8 +1055,9 @@ mod tests {
             .map(AgId)
             .collect();
         a.set_owned(owned.clone()).unwrap();
-        // true = used.
+        // true = used; reserved: handed out and not yet published.
         let mut used = vec![false; g.total_blocks as usize];
+        let mut reserved = vec![false; g.total_blocks as usize];
         let owned_free = |used: &Vec<bool>| -> u64 {
             owned
                 .iter()
@@ -928,6 +1090,17 @@ mod tests {
                                 }
                                 live.push(*e);
                             }
+                            // Half the writes commit at once, the rest stay reserved (write-behind)
+                            // until freed or published by a later step.
+                            if rng.gen_bool(0.5) {
+                                a.publish(&exts);
+                            } else {
+                                for e in &exts {
+                                    for b in e.start.0..e.end() {
+                                        reserved[b as usize] = true;
+                                    }
+                                }
+                            }
                         }
                         Err(AllocError::NoSpace { wanted, free }) => {
                             assert_eq!((wanted, free), (len, want_free), "{}", ctx());
@@ -947,6 +1120,7 @@ mod tests {
                         .unwrap_or_else(|err| panic!("{}: {err}", ctx()));
                     for b in piece.start.0..piece.end() {
                         used[b as usize] = false;
+                        reserved[b as usize] = false;
                     }
                     if off > 0 {
                         live.push(Extent::new(e.start.0, off));
@@ -964,13 +1138,35 @@ mod tests {
                         }
                     }
                 }
+                9 if !live.is_empty() && rng.gen_bool(0.5) => {
+                    // A write-behind commit: everything reserved is published.
+                    a.publish(&live);
+                    reserved.iter_mut().for_each(|r| *r = false);
+                }
                 _ => {
-                    // Round-trip every group through its encoding, as a reload from etcd.
+                    // Round-trip every group through its encoding, as a reload from etcd;
+                    // what etcd gets has the reserved blocks free, and an owned group is
+                    // never replaced.
                     for i in 0..g.ag_count {
                         let m = a.group(AgId(i)).unwrap().clone();
-                        let d = AgFreeMap::decode(&m.encode(), m.ag(), m.span()).unwrap();
-                        assert_eq!(d, m, "{}", ctx());
-                        a.load_group(d).unwrap();
+                        let published = a.encode_published(AgId(i)).unwrap();
+                        let d = AgFreeMap::decode(&published, m.ag(), m.span()).unwrap();
+                        let span = m.span();
+                        let expect_free = (span.start.0..span.end())
+                            .filter(|&b| !used[b as usize] || reserved[b as usize])
+                            .count() as u64;
+                        assert_eq!(d.free_blocks(), expect_free, "{}", ctx());
+                        if owned.contains(&AgId(i)) {
+                            assert_eq!(
+                                a.load_group(d),
+                                Err(AllocError::ReloadOwned(AgId(i))),
+                                "{}",
+                                ctx()
+                            );
+                        } else {
+                            assert_eq!(d, m, "{}", ctx());
+                            a.load_group(d).unwrap();
+                        }
                     }
                 }
             }

@@ -41,6 +41,8 @@
 //! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
 //! unlinked file alive is the open count, through an orphan record in etcd.
 
+#[cfg(test)]
+mod alloc_tests;
 mod cache;
 mod clock;
 mod errno;
@@ -436,6 +438,8 @@ pub(crate) struct Inner {
     dev: Dev,
     geometry: Geometry,
     alloc: Mutex<Allocator>,
+    /// Held through a group claim (etcd round trips, then the load of its map).
+    claiming: Mutex<()>,
     files: Files,
     dirs: Mutex<HashMap<u64, DirHandle>>,
     next_fh: AtomicU64,
@@ -558,6 +562,7 @@ impl EtcFs {
             dev,
             geometry,
             alloc: Mutex::new(Allocator::new(geometry)),
+            claiming: Mutex::new(()),
             files: Files::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -971,6 +976,10 @@ impl Inner {
     /// True when this node newly owns it.
     fn try_claim(&self, g: u32) -> Result<bool, MetaError> {
         let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        // One claim at a time: etcd answers "yours" to a second claim of a group this
+        // session already holds, and two writers that ran out of space at once used to load
+        // the group twice, the second load dropping the blocks the first had handed out.
+        let _one = lock(&self.claiming);
         if lock(&self.alloc).owned().contains(&AgId(g)) {
             return Ok(false);
         }
@@ -1040,12 +1049,8 @@ impl Inner {
             map.free_lenient(e);
         }
         let mut a = lock(&self.alloc);
-        if a.load_group(map).is_err() {
-            return Ok(false);
-        }
-        let mut owned = a.owned().clone();
-        owned.insert(AgId(g));
-        if a.set_owned(owned).is_err() {
+        if let Err(e) = a.load_group(map).and_then(|()| a.own(AgId(g))) {
+            log::error!("loading group {g}: {e}");
             return Ok(false);
         }
         // The map with the records applied replaces them, in fenced commits of a bounded
@@ -1655,18 +1660,25 @@ impl Inner {
         self.settle_locked(f, r)
     }
 
-    /// [`Inner::commit_locked`] for a `SetExtents` that allocated from `groups`: their
-    /// maps are encoded and submitted under the allocator lock, so the pipeline (which
-    /// keeps one map's writes in submission order) commits them in the order of the
-    /// allocator changes they describe.
+    /// [`Inner::commit_locked`] for a `SetExtents` that points at `allocated` blocks
+    /// (reserved by this node; `groups` are the groups of all blocks the file has reserved,
+    /// whose ownership the commit is fenced on). The blocks are published as used in the
+    /// maps that go with it; the maps are encoded and submitted under the allocator lock,
+    /// so the pipeline (which keeps one map's writes in submission order) commits them in
+    /// the order of the allocator changes they describe. A commit that fails leaves the
+    /// blocks published: a crash before a retry leaks them, but nothing hands them out
+    /// twice.
     fn commit_allocation_locked(
         &self,
         f: &mut files::FileInner,
         mut m: Mutation,
+        allocated: &[FileExtent],
         groups: &BTreeSet<AgId>,
     ) -> Result<Outcome, Errno> {
         let ticket = {
-            let a = lock(&self.alloc);
+            let mut a = lock(&self.alloc);
+            let blocks: Vec<Extent> = allocated.iter().map(device_blocks).collect();
+            a.publish(&blocks);
             if let Mutation::SetExtents { free_maps, .. } = &mut m {
                 *free_maps = encode_maps(&a, groups);
             }
@@ -1984,10 +1996,10 @@ impl Inner {
             touch_mtime: true,
             free_maps: Vec::new(),
         };
-        let out = match self.commit_allocation_locked(&mut f, m, &groups) {
+        let out = match self.commit_allocation_locked(&mut f, m, &allocated, &groups) {
             Ok(o) => o,
             Err(e) => {
-                self.unalloc(&allocated);
+                self.unalloc_unless_maybe_applied(&allocated, e);
                 return Err(e);
             }
         };
@@ -2206,7 +2218,15 @@ impl Inner {
                 // carries the maps as they are now (a fresher copy than the last chunk's).
                 free_maps: Vec::new(),
             };
-            outs.push(self.commit_allocation_locked(f, m, &groups)?);
+            // The blocks this chunk points at become used in etcd's maps with it; the
+            // rest of the pending change stays reserved (free there) until its chunk.
+            let mine: Vec<FileExtent> = p
+                .allocated
+                .iter()
+                .filter(|e| e.file_off >= c_off && e.file_off < c_end)
+                .copied()
+                .collect();
+            outs.push(self.commit_allocation_locked(f, m, &mine, &groups)?);
         }
         if let Some(map) = f.extents.as_mut() {
             files::replace_range(map, p.off, p.end - p.off, &merged);
@@ -2314,6 +2334,20 @@ impl Inner {
             }
         }
         Err(Errno::ENOSPC)
+    }
+
+    /// Gives back the blocks of a commit that failed, unless it may have applied (etcd
+    /// unreachable: an extent may point at them now); those are leaked rather than risk
+    /// handing them out twice.
+    fn unalloc_unless_maybe_applied(&self, allocated: &[FileExtent], e: Errno) {
+        if e == Errno::EIO {
+            log::warn!(
+                "keeping {} blocks of a commit whose outcome is unknown",
+                allocated.iter().map(|e| e.len / BLOCK_SIZE).sum::<u64>()
+            );
+        } else {
+            self.unalloc(allocated);
+        }
     }
 
     /// Gives back blocks allocated for a write that failed before its commit.
@@ -2712,10 +2746,10 @@ impl Inner {
                 touch_mtime: false,
                 free_maps: Vec::new(),
             };
-            let out = match self.commit_allocation_locked(&mut f, m, &groups) {
+            let out = match self.commit_allocation_locked(&mut f, m, &chunk, &groups) {
                 Ok(o) => o,
                 Err(e) => {
-                    self.unalloc(&chunk);
+                    self.unalloc_unless_maybe_applied(&chunk, e);
                     return Err(e);
                 }
             };
@@ -3079,7 +3113,7 @@ fn dev_range_within(inner: &meta::pipeline::DevRange, outer: &meta::pipeline::De
 fn encode_maps(a: &Allocator, groups: &BTreeSet<AgId>) -> Vec<(GroupId, Vec<u8>)> {
     groups
         .iter()
-        .filter_map(|g| a.group(*g).map(|m| (GroupId(g.0), m.encode())))
+        .filter_map(|g| a.encode_published(*g).map(|m| (GroupId(g.0), m)))
         .collect()
 }
 
