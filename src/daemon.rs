@@ -27,7 +27,11 @@ pub(crate) fn mkfs(args: MkfsArgs) -> Result<()> {
         ([_, ..], Some(device)) => (args.store.etcd.clone(), device.clone()),
         _ => bail!("mkfs needs both --etcd URLS and --device PATH"),
     };
-    let r = fs::mkfs(&etcd, &device, &args.store.prefix, args.force)?;
+    if args.group_size == 0 {
+        bail!("--group-size must be at least 1 MiB");
+    }
+    let ag_blocks = (args.group_size << 20) / crate::data::BLOCK_SIZE;
+    let r = fs::mkfs(&etcd, &device, &args.store.prefix, ag_blocks, args.force)?;
     println!(
         "etcfs: formatted {} as filesystem {} ({} MiB, {} allocation groups, {}-byte blocks), \
          metadata under prefix {:?}",
@@ -68,8 +72,14 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
             let endpoints = vec![etcd.endpoint.clone()];
             private_etcd = Some(etcd);
             if !state.is_formatted() {
-                let r = fs::mkfs(&endpoints, &device, &args.store.prefix, false)
-                    .context("format the embedded default's device image")?;
+                let r = fs::mkfs(
+                    &endpoints,
+                    &device,
+                    &args.store.prefix,
+                    crate::data::superblock::AG_BLOCKS_DEFAULT,
+                    false,
+                )
+                .context("format the embedded default's device image")?;
                 log::info!("formatted {} as filesystem {}", device.display(), r.uuid);
                 state.mark_formatted()?;
             }

@@ -74,6 +74,10 @@ pub(crate) struct MkfsArgs {
     /// Overwrite an existing filesystem on the device or under the prefix.
     #[arg(long)]
     pub(crate) force: bool,
+    /// Size of an allocation group, in MiB: the unit of space a node owns and hands to
+    /// another node (at least 1; the last group may be smaller).
+    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    pub(crate) group_size: u64,
 }
 
 #[derive(clap::Args, Debug, Clone)]

@@ -24,6 +24,9 @@
 //! <p>/R<dev_off:8>             Released {len}          -              the mutation freeing the
 //!                                                                     extent (same txn); deleted
 //!                                                                     by FreeMaps
+//! <p>/W<session:8>             Owner {session}         the asker's    a node out of space in its
+//!                                                                     groups: owners hand some
+//!                                                                     back (Session::want_space)
 //! ```
 //!
 //! Why this shape:
@@ -68,6 +71,7 @@ mod tag {
     pub(super) const ORPHAN: u8 = b'O';
     pub(super) const FREE_MAP: u8 = b'F';
     pub(super) const RELEASED: u8 = b'R';
+    pub(super) const SPACE_WANTED: u8 = b'W';
 }
 
 /// The default filesystem prefix.
@@ -113,6 +117,8 @@ pub enum KeyKind {
     Orphan(Ino),
     /// `R<dev_off>`
     Released(u64),
+    /// `W<session>`
+    SpaceWanted(SessionId),
 }
 
 /// Error for an unusable `--prefix`.
@@ -335,6 +341,11 @@ impl Keyspace {
         }
     }
 
+    /// `W<session>`: that session is out of space in its groups and asks owners for some.
+    pub fn space_wanted(&self, session: SessionId) -> Vec<u8> {
+        self.key_u64(tag::SPACE_WANTED, session.0)
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -349,6 +360,7 @@ impl Keyspace {
             tag::ORPHAN => KeyKind::Orphan(Ino(u64_at(body)?)),
             tag::MEMBER => KeyKind::Member(SessionId(u64_at(body)?)),
             tag::RELEASED => KeyKind::Released(u64_at(body)?),
+            tag::SPACE_WANTED => KeyKind::SpaceWanted(SessionId(u64_at(body)?)),
             tag::DENTRY | tag::XATTR => {
                 let (n, name) = (body.get(..8)?, body.get(8..)?);
                 if name.is_empty() {
@@ -389,6 +401,7 @@ impl Keyspace {
             Some(KeyKind::FreeMap(g)) => format!("{p}F {}", g.0),
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
             Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
+            Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
             None => escape(key),
         }
     }
@@ -475,6 +488,10 @@ mod tests {
             (k.group(GroupId(2)), KeyKind::Group(GroupId(2))),
             (k.free_map(GroupId(3)), KeyKind::FreeMap(GroupId(3))),
             (k.orphan(Ino(4)), KeyKind::Orphan(Ino(4))),
+            (
+                k.space_wanted(SessionId(6)),
+                KeyKind::SpaceWanted(SessionId(6)),
+            ),
         ];
         for (key, kind) in cases {
             assert_eq!(k.parse(&key), Some(kind), "{}", k.describe(&key));

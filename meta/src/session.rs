@@ -160,6 +160,45 @@ impl Session {
         Ok(current.as_deref() == Some(owner.as_slice()))
     }
 
+    /// Asks the owners of groups for space: a record under this session's lease that
+    /// their watch sees (and that dies with the session). Idempotent.
+    pub async fn want_space(&self) -> Result<(), MetaError> {
+        let put = PutOp {
+            key: self.keys.space_wanted(self.id),
+            value: Owner { session: self.id }.encode(),
+            lease: self.lease.0,
+        };
+        let t = Txn {
+            compares: vec![],
+            success: vec![TxnOp::Put(put)],
+            failure: vec![],
+        };
+        self.kv.txn(t).await?;
+        Ok(())
+    }
+
+    /// Withdraws [`Session::want_space`].
+    pub async fn space_found(&self) -> Result<(), MetaError> {
+        let t = Txn {
+            compares: vec![],
+            success: vec![TxnOp::delete(self.keys.space_wanted(self.id))],
+            failure: vec![],
+        };
+        self.kv.txn(t).await?;
+        Ok(())
+    }
+
+    /// Revokes the lease of a session that is known dead although its lease has not run
+    /// out (a daemon of this host killed before it could close it): its groups and
+    /// membership go at once instead of a TTL later.
+    pub async fn revoke_dead(&self, dead: SessionId) -> Result<(), MetaError> {
+        let lease = i64::try_from(dead.0).map_err(|_| MetaError::Invalid("lease id"))?;
+        match self.kv.lease_revoke(lease).await {
+            Ok(()) | Err(KvError::LeaseNotFound) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Gives a group back (only if this session owns it).
     pub async fn release_group(&self, group: GroupId) -> Result<bool, MetaError> {
         let key = self.keys.group(group);

@@ -100,7 +100,7 @@ use crate::data::{
     device::{mem::MemDev, open_device, psync::PsyncDev, BlockDev, DevFile, OpenOpts},
     mkfs as dmkfs,
     plan::{self as dplan, FileExtent, ReadSpan, WriteSeg},
-    superblock::{fmt_uuid, random_uuid, Geometry, AG_BLOCKS_DEFAULT},
+    superblock::{fmt_uuid, random_uuid, Geometry},
     AgId, BlockNo, Extent, BLOCK_SIZE,
 };
 
@@ -151,6 +151,11 @@ const UNMAP_PER_COMMIT: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX -
 const PENDING_EXTENTS_MAX: usize = meta::pipeline::plan::EXTENTS_PER_MUTATION_MAX * 2 / 3;
 /// Commit attempts of one pending change before it is dropped (its writes then fail).
 const PENDING_RETRIES_MAX: u32 = 3;
+/// How long an allocation waits for other nodes to hand over space before ENOSPC: longer
+/// than a lease TTL, so a dead owner's groups come free within it.
+const SPACE_WAIT_MAX: Duration = Duration::from_secs(15);
+/// How often a waiting allocation tries to claim a group again.
+const SPACE_POLL: Duration = Duration::from_millis(100);
 /// Largest file size (as ext4 with 4 KiB blocks: 16 TiB).
 const FILE_SIZE_MAX: u64 = 16 << 40;
 /// The statfs inode count: inode numbers are 64-bit and never reused; report 2^32.
@@ -309,6 +314,7 @@ pub(crate) fn mkfs(
     etcd: &[String],
     device: &Path,
     prefix: &str,
+    ag_blocks: u64,
     force: bool,
 ) -> anyhow::Result<MkfsReport> {
     let keys = Keyspace::new(prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
@@ -326,7 +332,7 @@ pub(crate) fn mkfs(
         &mut PsyncDev::new(&dev),
         device,
         prefix,
-        AG_BLOCKS_DEFAULT,
+        ag_blocks,
         force,
     )
 }
@@ -440,6 +446,8 @@ pub(crate) struct Inner {
     alloc: Mutex<Allocator>,
     /// Held through a group claim (etcd round trips, then the load of its map).
     claiming: Mutex<()>,
+    /// Another node asked for space (its `W` record): housekeeping hands groups back.
+    space_wanted: AtomicBool,
     files: Files,
     dirs: Mutex<HashMap<u64, DirHandle>>,
     next_fh: AtomicU64,
@@ -563,12 +571,14 @@ impl EtcFs {
             geometry,
             alloc: Mutex::new(Allocator::new(geometry)),
             claiming: Mutex::new(()),
+            space_wanted: AtomicBool::new(false),
             files: Files::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),
         });
+        inner.revoke_dead_local_sessions();
         inner
             .claim_groups(GROUPS_CLAIM_INITIAL)
             .context("claiming allocation groups")?;
@@ -608,6 +618,39 @@ impl EtcFs {
     }
 }
 
+/// Whether the daemon of a session of this host still runs: its pid is an etcfs process,
+/// not a zombie, started no later than the session (a reused pid is a newer process).
+fn daemon_alive(rec: &meta::codec::NodeRecord) -> bool {
+    let proc_dir = PathBuf::from(format!("/proc/{}", rec.pid));
+    let comm = std::fs::read_to_string(proc_dir.join("comm")).unwrap_or_default();
+    if !comm.trim().starts_with("etcfs") {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(proc_dir.join("stat")) else {
+        return false;
+    };
+    // Fields after the parenthesised name: state is the first, start time the 20th.
+    let Some(after) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return true;
+    };
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return false;
+    }
+    let started_ticks: Option<f64> = fields.get(19).and_then(|t| t.parse().ok());
+    let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    });
+    // /proc counts start times in USER_HZ, 100 on every Linux ABI.
+    let hz = 100.0;
+    match (started_ticks, boot) {
+        (Some(t), Some(b)) => b + t / hz <= rec.started.sec as f64 + 2.0,
+        _ => true,
+    }
+}
+
 fn node_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_owned())
@@ -626,7 +669,12 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
             std::thread::sleep(step);
             waited += step;
             match inner.upgrade() {
-                Some(i) if !i.stopping.load(Ordering::Acquire) => i.commit_aged(),
+                Some(i) if !i.stopping.load(Ordering::Acquire) => {
+                    i.commit_aged();
+                    if i.space_wanted.swap(false, Ordering::AcqRel) {
+                        i.hand_back_groups();
+                    }
+                }
                 _ => return,
             }
         }
@@ -955,9 +1003,16 @@ impl Inner {
         }
     }
 
-    /// Claims up to `n` more allocation groups and loads their free maps.
+    /// Claims up to `n` more allocation groups and loads their free maps. One range read
+    /// finds the groups nobody owns; only those are tried.
     fn claim_groups(&self, n: usize) -> Result<usize, MetaError> {
         let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        let owned: BTreeSet<u32> = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { meta::session::group_owners(&*kv, &keys).await })
+        })?
+        .into_iter()
+        .map(|(g, _)| g.0)
+        .collect();
         let count = self.geometry.ag_count;
         let start = (session.id().0 % u64::from(count.max(1))) as u32;
         let mut claimed = 0;
@@ -965,11 +1020,48 @@ impl Inner {
             if claimed >= n {
                 break;
             }
-            if self.try_claim((start + i) % count)? {
+            let g = (start + i) % count;
+            if !owned.contains(&g) && self.try_claim(g)? {
                 claimed += 1;
             }
         }
         Ok(claimed)
+    }
+
+    /// Ends the sessions of daemons of this host that died without closing them (kill -9,
+    /// a crash): their recorded pid is gone, or is some other process. Their groups and
+    /// orphans are free at once rather than a lease TTL later, so a remount right after a
+    /// crash has all the space. Only this host can tell, by its process table: node names
+    /// must be unique in the cluster (the hostname by default).
+    fn revoke_dead_local_sessions(&self) {
+        let Some(session) = lock(&self.session).clone() else {
+            return;
+        };
+        let live = match run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { meta::session::live_sessions(&*kv, &keys).await })
+        }) {
+            Ok(l) => l,
+            Err(e) => {
+                log::warn!("listing sessions: {e}");
+                return;
+            }
+        };
+        let here = node_name();
+        for (id, rec) in live {
+            if id == session.id() || rec.name != here.as_bytes() || daemon_alive(&rec) {
+                continue;
+            }
+            log::info!(
+                "session {id} of this host (pid {}) is dead: ending it now",
+                rec.pid
+            );
+            let s = session.clone();
+            if let Err(e) = run_read(&self.meta, move |_, _| {
+                Box::pin(async move { s.revoke_dead(id).await })
+            }) {
+                log::warn!("ending dead session {id}: {e}");
+            }
+        }
     }
 
     /// Claims group `g` (if no live session owns it) and loads its free map from etcd.
@@ -2316,24 +2408,167 @@ impl Inner {
         .map(|_| ())
     }
 
+    /// Blocks in this node's groups, claiming free groups for a shortfall, then asking the
+    /// owners of groups with free space to hand some over (and waiting for dead owners'
+    /// leases to run out). ENOSPC only when the device as a whole lacks the space, or when
+    /// nobody hands any over within [`SPACE_WAIT_MAX`].
     fn alloc_blocks(&self, blocks: u64, goal: Option<BlockNo>) -> Result<Vec<Extent>, Errno> {
-        // Each round claims enough groups for the shortfall; it ends when the allocation
-        // fits or no group can be claimed.
-        for _ in 0..=self.geometry.ag_count {
+        let mut asked: Option<std::time::Instant> = None;
+        let r = loop {
             let r = lock(&self.alloc).alloc(blocks, goal);
-            match r {
-                Ok(p) => return Ok(p),
-                Err(AllocError::NoSpace { wanted, free }) => {
-                    let need = (wanted - free.min(wanted)).div_ceil(self.geometry.ag_blocks);
-                    match self.claim_groups(need.max(1) as usize) {
-                        Ok(n) if n > 0 => {}
-                        _ => return Err(Errno::ENOSPC),
-                    }
+            let (wanted, free) = match r {
+                Err(AllocError::NoSpace { wanted, free }) => (wanted, free),
+                Ok(p) => break Ok(p),
+                Err(e) => break Err(errno::alloc(&e)),
+            };
+            let need = (wanted - free.min(wanted)).div_ceil(self.geometry.ag_blocks);
+            match self.claim_groups(need.max(1) as usize) {
+                Ok(n) if n > 0 => continue,
+                Ok(_) => {}
+                Err(e) => {
+                    log::warn!("claiming groups for {wanted} blocks: {e}");
+                    break Err(Errno::ENOSPC);
                 }
-                Err(e) => return Err(errno::alloc(&e)),
+            }
+            // Every group has an owner. Is the space there at all?
+            match self.device_free_blocks() {
+                Ok(total) if total >= wanted => {}
+                Ok(_) => break Err(Errno::ENOSPC),
+                Err(e) => break Err(e),
+            }
+            let since = *asked.get_or_insert_with(|| {
+                log::info!(
+                    "out of space in this node's groups ({wanted} blocks wanted): asking \
+                     their owners for some"
+                );
+                std::time::Instant::now()
+            });
+            if let Err(e) = self.with_session(|s| Box::pin(async move { s.want_space().await })) {
+                log::warn!("asking other nodes for space: {e}");
+            }
+            if since.elapsed() > SPACE_WAIT_MAX || !(self.session_alive)() {
+                log::warn!(
+                    "no node handed over space within {} s: ENOSPC",
+                    SPACE_WAIT_MAX.as_secs()
+                );
+                break Err(Errno::ENOSPC);
+            }
+            std::thread::sleep(SPACE_POLL);
+        };
+        if asked.is_some() {
+            if let Err(e) = self.with_session(|s| Box::pin(async move { s.space_found().await })) {
+                log::warn!("withdrawing the request for space: {e}");
             }
         }
-        Err(Errno::ENOSPC)
+        r
+    }
+
+    /// Runs a session call on the pipeline's runtime.
+    fn with_session<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(
+                Arc<Session>,
+            ) -> std::pin::Pin<
+                Box<dyn std::future::Future<Output = Result<T, MetaError>> + Send>,
+            > + Send
+            + 'static,
+    ) -> Result<T, MetaError> {
+        let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        run_read(&self.meta, move |_, _| f(session))
+    }
+
+    /// Free blocks on the whole device: this node's groups from its allocator, the
+    /// others' from the maps in etcd (what statfs shows).
+    fn device_free_blocks(&self) -> Result<u64, Errno> {
+        let raw = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move {
+                let r = keys.free_maps();
+                Ok(kv.range(RangeRequest::range(r.start, r.end)).await?.kvs)
+            })
+        })
+        .map_err(|e| errno::meta(&e))?;
+        let stored: HashMap<Vec<u8>, Vec<u8>> =
+            raw.into_iter().map(|kv| (kv.key, kv.value)).collect();
+        let a = lock(&self.alloc);
+        let mut free = 0u64;
+        for g in 0..self.geometry.ag_count {
+            let ag = AgId(g);
+            let Some(span) = self.geometry.ag_extent(ag) else {
+                continue;
+            };
+            if a.owned().contains(&ag) {
+                free += a.group(ag).map_or(0, AgFreeMap::free_blocks);
+                continue;
+            }
+            let key = self.meta.keys().free_map(GroupId(g));
+            free += match stored.get(&key) {
+                None => span.len,
+                Some(b) => match AgFreeMap::decode(b, ag, span) {
+                    Ok(m) => m.free_blocks(),
+                    Err(e) => {
+                        log::error!(
+                            "corrupt free map at key {}: {e}",
+                            self.meta.keys().describe(&key)
+                        );
+                        0
+                    }
+                },
+            };
+        }
+        Ok(free)
+    }
+
+    /// The watch saw a request for space.
+    pub(super) fn space_wanted_by(&self, asker: meta::types::SessionId) {
+        let mine = lock(&self.session).as_ref().map(|s| s.id());
+        if mine != Some(asker) {
+            self.space_wanted.store(true, Ordering::Release);
+        }
+    }
+
+    /// Another node is out of space: hand back up to half the groups this node owns (the
+    /// emptiest first), never one holding blocks of writes not yet committed, and always
+    /// keeping one. Each goes with its final map (fenced on our ownership, so the next
+    /// owner loads exactly what we last allocated), then its ownership record is deleted.
+    fn hand_back_groups(&self) {
+        let candidates: Vec<AgId> = {
+            let a = lock(&self.alloc);
+            let mut owned: Vec<(u64, AgId)> = a
+                .owned()
+                .iter()
+                .filter(|g| a.reserved_in(**g) == 0)
+                .map(|g| (a.group(*g).map_or(0, AgFreeMap::free_blocks), *g))
+                .filter(|(free, _)| *free > 0)
+                .collect();
+            owned.sort_unstable_by(|x, y| y.cmp(x));
+            let keep = a.owned().len().div_ceil(2).max(1);
+            let give = a.owned().len().saturating_sub(keep);
+            owned.into_iter().take(give).map(|(_, g)| g).collect()
+        };
+        for g in candidates {
+            let ticket = {
+                let mut a = lock(&self.alloc);
+                if a.disown(g).is_err() {
+                    continue;
+                }
+                let maps = encode_maps(&a, &BTreeSet::from([g]));
+                self.meta.submit_blocking(Mutation::FreeMaps {
+                    maps,
+                    released: Vec::new(),
+                })
+            };
+            if let Err(e) = ticket.and_then(|t| t.wait()) {
+                log::warn!("handing back group {}: writing its map: {e}", g.0);
+                let _ = lock(&self.alloc).own(g);
+                continue;
+            }
+            let gid = GroupId(g.0);
+            match self.with_session(move |s| Box::pin(async move { s.release_group(gid).await })) {
+                Ok(true) => log::info!("handed group {} back for another node", g.0),
+                Ok(false) => log::warn!("group {} was no longer ours to hand back", g.0),
+                Err(e) => log::warn!("handing back group {}: {e}", g.0),
+            }
+        }
     }
 
     /// Gives back the blocks of a commit that failed, unless it may have applied (etcd
@@ -2537,41 +2772,7 @@ impl Inner {
     }
 
     fn statfs(&self) -> Result<Done, Errno> {
-        let raw = run_read(&self.meta, |kv, keys| {
-            Box::pin(async move {
-                let r = keys.free_maps();
-                Ok(kv.range(RangeRequest::range(r.start, r.end)).await?.kvs)
-            })
-        })
-        .map_err(|e| errno::meta(&e))?;
-        let stored: HashMap<Vec<u8>, Vec<u8>> =
-            raw.into_iter().map(|kv| (kv.key, kv.value)).collect();
-        let a = lock(&self.alloc);
-        let mut free = 0u64;
-        for g in 0..self.geometry.ag_count {
-            let ag = AgId(g);
-            let Some(span) = self.geometry.ag_extent(ag) else {
-                continue;
-            };
-            if a.owned().contains(&ag) {
-                free += a.group(ag).map_or(0, AgFreeMap::free_blocks);
-                continue;
-            }
-            let key = self.meta.keys().free_map(GroupId(g));
-            free += match stored.get(&key) {
-                None => span.len,
-                Some(b) => match AgFreeMap::decode(b, ag, span) {
-                    Ok(m) => m.free_blocks(),
-                    Err(e) => {
-                        log::error!(
-                            "corrupt free map at key {}: {e}",
-                            self.meta.keys().describe(&key)
-                        );
-                        0
-                    }
-                },
-            };
-        }
+        let free = self.device_free_blocks()?;
         let st = Kstatfs {
             blocks: self.geometry.data_blocks(),
             bfree: free,

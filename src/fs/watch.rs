@@ -309,6 +309,7 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             kernel.extend(i.caches.event(rev, &e));
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
+        Some(KeyKind::SpaceWanted(asker)) if put => i.space_wanted_by(asker),
         _ => {}
     }
 }
