@@ -174,8 +174,9 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     );
     session.wait();
     let _ = std::fs::remove_file(socket);
-    mnt.unmount().context("unmount")?;
-    log::info!("unmounted {}", mnt.mountpoint().display());
+    if mnt.unmount().context("unmount")? {
+        log::info!("unmounted {}", mnt.mountpoint().display());
+    }
     Ok(())
 }
 
