@@ -41,6 +41,11 @@ pub enum MountError {
     NotADirectory(PathBuf),
     #[error("mountpoint {0} is already a mount point; unmount it first (`umount {0}`)")]
     Busy(PathBuf),
+    #[error(
+        "mountpoint {path} is a dead FUSE mount: its daemon is gone ({why}); clear it with \
+         `umount -l {path}` (or `fusermount3 -uz {path}`), then mount again"
+    )]
+    DeadMount { path: PathBuf, why: String },
     #[error("cannot open /dev/fuse: {0} (is the fuse module loaded and /dev/fuse present?)")]
     NoDevFuse(io::Error),
     #[error("mount(2) of {path} failed: {source}{hint}")]
@@ -76,6 +81,59 @@ pub struct Mount {
     mountpoint: PathBuf,
     mounted: AtomicBool,
     identity: MountIdentity,
+}
+
+/// Checks that `mountpoint` can take a new mount (an existing directory, not a mount point,
+/// not the dead mount of a killed FUSE daemon) and returns its canonical path.
+pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
+    let meta = fs::metadata(mountpoint).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => MountError::NoMountpoint(mountpoint.to_path_buf()),
+        // A FUSE mount whose daemon died answers ENOTCONN; for a moment after the death,
+        // requests in flight answer ECONNABORTED, or ECANCELED over io_uring (seen right
+        // after a kill -9). Nothing can be mounted there until it is cleared.
+        Some(libc::ENOTCONN) | Some(libc::ECONNABORTED) | Some(libc::ECANCELED)
+            if is_mount_point(&canonical_name(mountpoint)).unwrap_or(false) =>
+        {
+            MountError::DeadMount {
+                path: canonical_name(mountpoint),
+                why: e.to_string(),
+            }
+        }
+        _ => MountError::Inspect {
+            path: mountpoint.to_path_buf(),
+            source: e,
+        },
+    })?;
+    if !meta.is_dir() {
+        return Err(MountError::NotADirectory(mountpoint.to_path_buf()));
+    }
+    let path = fs::canonicalize(mountpoint).map_err(|e| MountError::Inspect {
+        path: mountpoint.to_path_buf(),
+        source: e,
+    })?;
+    if is_mount_point(&path).map_err(|e| MountError::Inspect {
+        path: path.clone(),
+        source: e,
+    })? {
+        return Err(MountError::Busy(path));
+    }
+    Ok(path)
+}
+
+/// The absolute path of `p` for messages, when `p` itself cannot be resolved (a dead mount
+/// answers nothing): its parent resolved, joined with its name.
+fn canonical_name(p: &Path) -> PathBuf {
+    match (p.parent(), p.file_name()) {
+        (Some(parent), Some(name)) => {
+            let parent = if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            };
+            fs::canonicalize(parent).map_or_else(|_| p.to_path_buf(), |d| d.join(name))
+        }
+        _ => p.to_path_buf(),
+    }
 }
 
 /// An `O_PATH` descriptor of the mount on top at `path`. It sends the filesystem nothing,
@@ -117,26 +175,7 @@ impl Mount {
     /// Mounts a new FUSE connection on `mountpoint` (which must be an existing directory that
     /// is not already a mount point). Requires root (CAP_SYS_ADMIN).
     pub fn new(mountpoint: &Path, opts: &MountOptions) -> Result<Mount, MountError> {
-        let meta = fs::metadata(mountpoint).map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => MountError::NoMountpoint(mountpoint.to_path_buf()),
-            _ => MountError::Inspect {
-                path: mountpoint.to_path_buf(),
-                source: e,
-            },
-        })?;
-        if !meta.is_dir() {
-            return Err(MountError::NotADirectory(mountpoint.to_path_buf()));
-        }
-        let path = fs::canonicalize(mountpoint).map_err(|e| MountError::Inspect {
-            path: mountpoint.to_path_buf(),
-            source: e,
-        })?;
-        if is_mount_point(&path).map_err(|e| MountError::Inspect {
-            path: path.clone(),
-            source: e,
-        })? {
-            return Err(MountError::Busy(path));
-        }
+        let path = check_mountpoint(mountpoint)?;
 
         let dev = fs::OpenOptions::new()
             .read(true)
