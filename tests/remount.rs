@@ -157,8 +157,8 @@ fn immediate_remount_keeps_new_mount_memfs(transport: &str) {
     if !can_run(&test, Some(transport)) {
         return;
     }
-    let base = temp_base(&format!("{transport}-remount"));
-    let mnt = base.join("mnt");
+    let base = Scratch(temp_base(&format!("{transport}-remount")));
+    let mnt = base.0.join("mnt");
     fs::create_dir(&mnt).expect("create mountpoint");
     let args: Vec<String> = ["--memfs", "--transport", transport]
         .iter()
@@ -168,12 +168,29 @@ fn immediate_remount_keeps_new_mount_memfs(transport: &str) {
         Daemon::spawn(
             &args,
             &mnt,
-            &base.join(format!("daemon-{i}.log")),
+            &base.0.join(format!("daemon-{i}.log")),
             transport,
         )
     });
-    umount_all(&mnt);
-    let _ = fs::remove_dir_all(&base);
+}
+
+/// A scratch directory holding a mount point `mnt`, removed on drop (even when the test
+/// fails) once nothing is mounted in it; declared before the daemons, so they drop first.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let mnt = self.0.join("mnt");
+        umount_all(&mnt);
+        if mount_count(&mnt) == 0 {
+            let _ = fs::remove_dir_all(&self.0);
+        } else {
+            loud(&format!(
+                "leaving {} behind: still mounted",
+                self.0.display()
+            ));
+        }
+    }
 }
 
 #[test]
