@@ -46,8 +46,11 @@ pub(crate) fn mkfs(args: MkfsArgs) -> Result<()> {
 }
 
 pub(crate) fn mount(args: MountArgs) -> Result<()> {
+    // Checked before anything starts (a private etcd, a detached daemon), so a bad mount
+    // point is the one error shown; the mount itself checks again.
+    let mountpoint = mount::check_mountpoint(&args.mountpoint)?;
     if !args.foreground {
-        return spawn_detached(&args);
+        return spawn_detached(&args, &mountpoint);
     }
     let cpus = worker_cpus(args.cpus.as_deref())?;
     let attr_timeout = seconds(args.attr_timeout, "--attr-timeout")?;
@@ -184,8 +187,9 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     );
     session.wait();
     let _ = std::fs::remove_file(socket);
-    mnt.unmount().context("unmount")?;
-    log::info!("unmounted {}", mnt.mountpoint().display());
+    if mnt.unmount().context("unmount")? {
+        log::info!("unmounted {}", mnt.mountpoint().display());
+    }
     Ok(())
 }
 
@@ -222,15 +226,13 @@ fn nix_gid() -> u32 {
 
 /// Re-runs this command in the foreground as a detached child with its output in a log file,
 /// and returns once the child has mounted (or reports why it could not).
-fn spawn_detached(args: &MountArgs) -> Result<()> {
-    let mountpoint = std::fs::canonicalize(&args.mountpoint)
-        .with_context(|| format!("mountpoint {} does not exist", args.mountpoint.display()))?;
+fn spawn_detached(args: &MountArgs, mountpoint: &Path) -> Result<()> {
     let log_path = match &args.log_file {
         Some(p) => p.clone(),
         None => {
             let dir = Path::new("/var/log/etcfs");
             std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-            let name = control::socket_path(&mountpoint);
+            let name = control::socket_path(mountpoint);
             let stem = name
                 .file_stem()
                 .map(|s| s.to_os_string())
@@ -265,8 +267,8 @@ fn spawn_detached(args: &MountArgs) -> Result<()> {
                 tail.join("\n")
             );
         }
-        if mount::is_mount_point(&mountpoint).unwrap_or(false)
-            && control::socket_path(&mountpoint).exists()
+        if mount::is_mount_point(mountpoint).unwrap_or(false)
+            && control::socket_path(mountpoint).exists()
         {
             println!(
                 "etcfs: mounted {} (daemon pid {}, log {})",

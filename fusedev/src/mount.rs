@@ -4,8 +4,8 @@ use std::{
     ffi::CString,
     fs, io,
     os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
-        unix::ffi::OsStrExt,
+        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd},
+        unix::{ffi::OsStrExt, fs::OpenOptionsExt},
     },
     path::{Path, PathBuf},
     sync::atomic::{AtomicBool, Ordering},
@@ -41,6 +41,11 @@ pub enum MountError {
     NotADirectory(PathBuf),
     #[error("mountpoint {0} is already a mount point; unmount it first (`umount {0}`)")]
     Busy(PathBuf),
+    #[error(
+        "mountpoint {path} is a dead FUSE mount: its daemon is gone ({why}); clear it with \
+         `umount -l {path}` (or `fusermount3 -uz {path}`), then mount again"
+    )]
+    DeadMount { path: PathBuf, why: String },
     #[error("cannot open /dev/fuse: {0} (is the fuse module loaded and /dev/fuse present?)")]
     NoDevFuse(io::Error),
     #[error("mount(2) of {path} failed: {source}{hint}")]
@@ -51,41 +56,126 @@ pub enum MountError {
     },
     #[error("cannot inspect mountpoint {path}: {source}")]
     Inspect { path: PathBuf, source: io::Error },
+    #[error("cannot identify the new mount at {path} (so it could not be unmounted safely later): {source}")]
+    Identify { path: PathBuf, source: io::Error },
+}
+
+/// Which mount is this connection's, taken right after mount(2). A path alone cannot say:
+/// once someone else unmounts ours, the path may hold a newer mount, and the kernel hands
+/// that one the device number and mountinfo id ours just freed (both come from allocators
+/// that reuse the lowest free number; seen in the tests of issue 12).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MountIdentity {
+    /// `st_dev` of the mount's root: for FUSE, the connection (`/sys/fs/fuse/connections/N`,
+    /// the third field of mountinfo). Unique only while the connection's superblock lives.
+    dev: (u32, u32),
+    /// `STATX_MNT_ID_UNIQUE` (Linux 6.8+), never reused while the system runs.
+    unique: Option<u64>,
 }
 
 /// A mounted FUSE connection: the `/dev/fuse` descriptor the kernel talks on and the place
-/// it is mounted. Dropping it unmounts.
+/// it is mounted. Dropping it unmounts, if the mount there is still this one.
 #[derive(Debug)]
 pub struct Mount {
     dev: OwnedFd,
     mountpoint: PathBuf,
     mounted: AtomicBool,
+    identity: MountIdentity,
+}
+
+/// Checks that `mountpoint` can take a new mount (an existing directory, not a mount point,
+/// not the dead mount of a killed FUSE daemon) and returns its canonical path.
+pub fn check_mountpoint(mountpoint: &Path) -> Result<PathBuf, MountError> {
+    let meta = fs::metadata(mountpoint).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOENT) => MountError::NoMountpoint(mountpoint.to_path_buf()),
+        // A FUSE mount whose daemon died answers ENOTCONN; for a moment after the death,
+        // requests in flight answer ECONNABORTED, or ECANCELED over io_uring (seen right
+        // after a kill -9). Nothing can be mounted there until it is cleared.
+        Some(libc::ENOTCONN) | Some(libc::ECONNABORTED) | Some(libc::ECANCELED)
+            if is_mount_point(&canonical_name(mountpoint)).unwrap_or(false) =>
+        {
+            MountError::DeadMount {
+                path: canonical_name(mountpoint),
+                why: e.to_string(),
+            }
+        }
+        _ => MountError::Inspect {
+            path: mountpoint.to_path_buf(),
+            source: e,
+        },
+    })?;
+    if !meta.is_dir() {
+        return Err(MountError::NotADirectory(mountpoint.to_path_buf()));
+    }
+    let path = fs::canonicalize(mountpoint).map_err(|e| MountError::Inspect {
+        path: mountpoint.to_path_buf(),
+        source: e,
+    })?;
+    if is_mount_point(&path).map_err(|e| MountError::Inspect {
+        path: path.clone(),
+        source: e,
+    })? {
+        return Err(MountError::Busy(path));
+    }
+    Ok(path)
+}
+
+/// The absolute path of `p` for messages, when `p` itself cannot be resolved (a dead mount
+/// answers nothing): its parent resolved, joined with its name.
+fn canonical_name(p: &Path) -> PathBuf {
+    match (p.parent(), p.file_name()) {
+        (Some(parent), Some(name)) => {
+            let parent = if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            };
+            fs::canonicalize(parent).map_or_else(|_| p.to_path_buf(), |d| d.join(name))
+        }
+        _ => p.to_path_buf(),
+    }
+}
+
+/// An `O_PATH` descriptor of the mount on top at `path`. It sends the filesystem nothing,
+/// so it neither waits for a daemon that has not answered INIT yet nor fails on a dead one.
+fn pin_top_mount(path: &Path) -> io::Result<OwnedFd> {
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
+        .open(path)?;
+    Ok(OwnedFd::from(f))
+}
+
+/// The identity of the mount `fd` is on (see [`pin_top_mount`]).
+fn identify(fd: BorrowedFd<'_>) -> io::Result<MountIdentity> {
+    // SAFETY: statx is plain old data; all zeroes is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // DONT_SYNC: the cached attributes are enough for the device and mount id, and a FUSE
+    // daemon that has not answered INIT yet (ours, right after mount(2)) must not be asked.
+    // SAFETY: the path is a NUL-terminated literal, stx a live, writable statx.
+    let rc = unsafe {
+        libc::statx(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_MNT_ID_UNIQUE,
+            &mut stx,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(MountIdentity {
+        dev: (stx.stx_dev_major, stx.stx_dev_minor),
+        unique: (stx.stx_mask & libc::STATX_MNT_ID_UNIQUE != 0).then_some(stx.stx_mnt_id),
+    })
 }
 
 impl Mount {
     /// Mounts a new FUSE connection on `mountpoint` (which must be an existing directory that
     /// is not already a mount point). Requires root (CAP_SYS_ADMIN).
     pub fn new(mountpoint: &Path, opts: &MountOptions) -> Result<Mount, MountError> {
-        let meta = fs::metadata(mountpoint).map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => MountError::NoMountpoint(mountpoint.to_path_buf()),
-            _ => MountError::Inspect {
-                path: mountpoint.to_path_buf(),
-                source: e,
-            },
-        })?;
-        if !meta.is_dir() {
-            return Err(MountError::NotADirectory(mountpoint.to_path_buf()));
-        }
-        let path = fs::canonicalize(mountpoint).map_err(|e| MountError::Inspect {
-            path: mountpoint.to_path_buf(),
-            source: e,
-        })?;
-        if is_mount_point(&path).map_err(|e| MountError::Inspect {
-            path: path.clone(),
-            source: e,
-        })? {
-            return Err(MountError::Busy(path));
-        }
+        let path = check_mountpoint(mountpoint)?;
 
         let dev = fs::OpenOptions::new()
             .read(true)
@@ -124,10 +214,29 @@ impl Mount {
             };
             return Err(MountError::Mount { path, source, hint });
         }
+        let identity = match pin_top_mount(&path).and_then(|fd| identify(fd.as_fd())) {
+            Ok(id) => id,
+            Err(source) => {
+                // Undone now, while the mount at the path can only be the one just made.
+                // SAFETY: target is a NUL-terminated path that outlives the call.
+                unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+                return Err(MountError::Identify { path, source });
+            }
+        };
+        log::info!(
+            "mounted {} as FUSE connection {}:{}{}",
+            path.display(),
+            identity.dev.0,
+            identity.dev.1,
+            identity
+                .unique
+                .map_or_else(String::new, |u| format!(" (mount {u})"))
+        );
         Ok(Mount {
             dev,
             mountpoint: path,
             mounted: AtomicBool::new(true),
+            identity,
         })
     }
 
@@ -159,28 +268,100 @@ impl Mount {
         Ok(fd)
     }
 
-    /// Unmounts. When files are still open the unmount is lazy (detached now, released when
-    /// the last user closes), so a shutdown never waits on an application. Idempotent.
-    pub fn unmount(&self) -> io::Result<()> {
+    /// Unmounts this connection's mount, and only it: when the mount on top at the mount
+    /// point is another one (ours was unmounted from outside and the path mounted again, or
+    /// something was mounted over ours), nothing is unmounted. The unmount is lazy (detached
+    /// now, released when the last user closes), so a shutdown never waits on an
+    /// application. Idempotent. Returns whether it unmounted.
+    pub fn unmount(&self) -> io::Result<bool> {
         if !self.mounted.swap(false, Ordering::SeqCst) {
-            return Ok(());
+            return Ok(false);
         }
-        let target = cstring(self.mountpoint.as_os_str().as_bytes());
+        // The pin keeps the mount we check the one we unmount: it cannot be freed and its
+        // number handed to a new mount meanwhile.
+        let top = match pin_top_mount(&self.mountpoint) {
+            Ok(fd) => fd,
+            Err(e) => {
+                log::info!(
+                    "not unmounting {}: cannot open it ({e})",
+                    self.mountpoint.display()
+                );
+                return Ok(false);
+            }
+        };
+        let top_id = identify(top.as_fd())?;
+        if !self.is_ours(top_id) {
+            self.log_not_ours(top_id);
+            return Ok(false);
+        }
+        // Through the pin, not the path: a path names whatever is mounted there by the time
+        // umount2 looks. The pin holds a reference of its own, so a plain umount would only
+        // say EBUSY; detaching releases the mount when the pin closes, below, unless
+        // applications still have files open in it.
+        let target = cstring(format!("/proc/self/fd/{}", top.as_raw_fd()).as_bytes());
         // SAFETY: target is a NUL-terminated path that outlives the call.
-        let mut rc = unsafe { libc::umount2(target.as_ptr(), 0) };
-        if rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY) {
-            // SAFETY: as above.
-            rc = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        }
+        let rc = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
         if rc != 0 {
             let err = io::Error::last_os_error();
-            // Already gone (someone ran umount): nothing left to do.
+            // Detached from outside since the check (`umount -l`): nothing left to do.
             if matches!(err.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOENT)) {
-                return Ok(());
+                return Ok(false);
             }
             return Err(err);
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// Whether the mount `top` was found on is this connection's.
+    fn is_ours(&self, top: MountIdentity) -> bool {
+        match (self.identity.unique, top.unique) {
+            (Some(ours), Some(theirs)) => ours == theirs,
+            // Before Linux 6.8 only the device number is left, and it names our connection
+            // only while the connection lives (its superblock holds the number). Checked
+            // after `top` was read: a connection never comes back to life.
+            _ => top.dev == self.identity.dev && self.connection_alive(),
+        }
+    }
+
+    /// False once the kernel has ended the connection (unmount or abort): the device then
+    /// polls as an error.
+    fn connection_alive(&self) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.dev.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one live pollfd without waiting.
+        let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+        rc >= 0 && pfd.revents & libc::POLLERR == 0
+    }
+
+    /// Says why the mount point was left alone, and what is left to clear by hand if ours
+    /// may still be under another mount.
+    fn log_not_ours(&self, top: MountIdentity) {
+        let path = self.mountpoint.display();
+        let (major, minor) = self.identity.dev;
+        let ours = format!("{major}:{minor}");
+        let buried = fs::read_to_string("/proc/self/mountinfo").is_ok_and(|info| {
+            info.lines().any(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                f.get(2) == Some(&ours.as_str())
+                    && f.get(4).map(|m| unescape_mountinfo(m))
+                        == Some(self.mountpoint.as_os_str().as_bytes().to_vec())
+            })
+        });
+        if buried && top.dev != self.identity.dev {
+            log::warn!(
+                "not unmounting {path}: another mount covers ours (connection {ours}); ours ends \
+                 with this daemon and stays as a dead mount under it: once the upper one is gone, \
+                 clear it with `umount -l {path}`"
+            );
+        } else {
+            log::info!(
+                "not unmounting {path}: it no longer holds this daemon's mount (connection \
+                 {ours}; unmounted from outside)"
+            );
+        }
     }
 
     /// Write a whole message (a notification) to the connection's device. Notifications

@@ -348,6 +348,9 @@ pub(crate) struct Daemon {
     child: Option<Child>,
     /// A directory this guard created and removes once unmounted.
     owned_base: Option<PathBuf>,
+    /// The daemon has exited and the mount point is no longer this guard's to clean up
+    /// (see [`Daemon::exited_leaving_mountpoint`]).
+    mountpoint_released: bool,
 }
 
 impl Daemon {
@@ -374,6 +377,7 @@ impl Daemon {
             transport: transport.to_string(),
             child: Some(child),
             owned_base: None,
+            mountpoint_released: false,
         };
         let start = Instant::now();
         while !is_mounted(&d.mnt) {
@@ -497,6 +501,15 @@ impl Daemon {
         }
     }
 
+    /// Waits for the daemon to exit by itself (panics with its log if it does not in time)
+    /// and gives up the guard without touching the mount point: after a remount another
+    /// daemon serves it, and unmounting everything there is that daemon's guard's job.
+    pub(crate) fn exited_leaving_mountpoint(mut self, why: &str) -> ExitStatus {
+        let status = self.expect_exit(why);
+        self.mountpoint_released = true;
+        status
+    }
+
     /// SIGTERM: the daemon must unmount and exit 0 in time.
     pub(crate) fn stop(mut self) {
         self.signal("TERM");
@@ -552,6 +565,9 @@ impl Drop for Daemon {
                 self.log.display(),
                 self.log_text()
             ));
+        }
+        if self.mountpoint_released {
+            return;
         }
         if let Some(child) = self.child.as_mut() {
             if matches!(child.try_wait(), Ok(None)) {

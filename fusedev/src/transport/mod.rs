@@ -458,8 +458,10 @@ impl Stopper {
     /// Closes notifications, unmounts (lazily when busy) and stops the workers.
     pub fn shutdown(&self) {
         self.shared.notify_gate.close_and_drain();
-        if let Err(e) = self.shared.mount.unmount() {
-            log::warn!("unmount failed: {e}");
+        match self.shared.mount.unmount() {
+            Ok(true) => log::info!("unmounted {}", self.shared.mount.mountpoint().display()),
+            Ok(false) => {}
+            Err(e) => log::warn!("unmount failed: {e}"),
         }
         self.shared.stop.store(true, Ordering::SeqCst);
         for w in self.wakers.lock().expect("waker list").iter() {
