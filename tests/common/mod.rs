@@ -664,11 +664,17 @@ impl TestFs {
 
     /// `etcfs mkfs` on the image and prefix; remembers the uuid it printed.
     pub(crate) fn mkfs(&mut self) {
+        self.mkfs_with(&[]);
+    }
+
+    /// [`TestFs::mkfs`] with more `etcfs mkfs` options (`--group-size`).
+    pub(crate) fn mkfs_with(&mut self, extra: &[&str]) {
         let out = run_ok(
             Command::new(ETCFS)
                 .args(["mkfs", "--etcd", &self.endpoints, "--device"])
                 .arg(&self.image)
-                .args(["--prefix", &self.prefix]),
+                .args(["--prefix", &self.prefix])
+                .args(extra),
         );
         self.uuid = out
             .split_whitespace()
