@@ -44,12 +44,6 @@ pub const WANTED: &[Capability] = &[
         "writes larger than one page (implied by MAX_PAGES on new kernels; harmless)",
     ),
     cap(
-        abi::FUSE_AUTO_INVAL_DATA,
-        "AUTO_INVAL_DATA",
-        "the kernel drops cached pages when a refreshed mtime/size differs, which is how \
-         another node's writes become visible once attributes expire",
-    ),
-    cap(
         abi::FUSE_DO_READDIRPLUS,
         "DO_READDIRPLUS",
         "READDIRPLUS returns attributes with names: one request instead of N LOOKUPs",
@@ -196,9 +190,22 @@ pub const REFUSED: &[Capability] = &[
         "as NO_OPEN_SUPPORT, for OPENDIR",
     ),
     cap(
+        abi::FUSE_AUTO_INVAL_DATA,
+        "AUTO_INVAL_DATA",
+        "it drops the whole page cache whenever a GETATTR shows an mtime the kernel did not \
+         have, which is after every write of this node (write-through: the kernel never \
+         moves a file's mtime itself), and it drops it after checking that no write is in \
+         progress: an O_APPEND write that starts meanwhile puts its data in a cached page \
+         that is then dropped, a reader at EOF re-reads that page before the WRITE is \
+         served, and the zeros past the old EOF become data when the WRITE grows the size \
+         (issue 12: NUL records read by tail -f, on memfs too). Other nodes' writes reach \
+         the page cache through the watch's INVAL_INODE, and a changed size still drops it",
+    ),
+    cap(
         abi::FUSE_EXPLICIT_INVAL_DATA,
         "EXPLICIT_INVAL_DATA",
-        "conflicts with AUTO_INVAL_DATA; can replace it once every remote change is \
+        "keeps the kernel's own drop of the page cache when a GETATTR shows a new size, a \
+         second line behind the watch's INVAL_INODE; can go once every remote change is \
          followed by an INVAL_INODE from the lock holder",
     ),
     cap(
@@ -522,6 +529,23 @@ mod tests {
         let (_, n) = negotiate(&kernel(abi::FUSE_INIT_EXT), &cfg).unwrap();
         assert!(!n.over_io_uring);
         assert!(kernel_offers_uring(&kernel(offered)));
+    }
+
+    /// Issue 12: AUTO_INVAL_DATA let a reader at EOF see NUL bytes past the old size while
+    /// another process appended; it must not come back with a reshuffle of the lists.
+    #[test]
+    fn auto_inval_data_is_never_requested() {
+        let all = abi::FUSE_INIT_KNOWN_MASK;
+        let cfg = InitConfig {
+            over_io_uring: true,
+            splice_write: true,
+            ..InitConfig::default()
+        };
+        assert_eq!(requested_flags(&cfg) & abi::FUSE_AUTO_INVAL_DATA, 0);
+        let (out, n) = negotiate(&kernel(all), &cfg).unwrap();
+        assert!(!n.has(abi::FUSE_AUTO_INVAL_DATA));
+        assert_eq!(u64::from(out.flags) & abi::FUSE_AUTO_INVAL_DATA, 0);
+        assert!(REFUSED.iter().any(|c| c.flag == abi::FUSE_AUTO_INVAL_DATA));
     }
 
     #[test]

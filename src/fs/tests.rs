@@ -612,6 +612,145 @@ fn st_blocks_follow_the_extent_map() {
     assert_eq!(fx.getattr(ino).attr.blocks, 2048);
 }
 
+/// READDIRPLUS of a directory: (name, st_blocks) of each entry but `.` and `..`.
+fn blocks_listed(fx: &mut Fx, dir: u64) -> Vec<(Vec<u8>, u64)> {
+    let o: OpenOut = parse(&fx.ok(dir, Operation::Opendir { flags: 0 }));
+    let mut out = Vec::new();
+    let mut offset = 0;
+    loop {
+        let b = fx.ok(
+            dir,
+            Operation::Readdirplus {
+                fh: o.fh,
+                offset,
+                size: 4096,
+            },
+        );
+        if b.is_empty() {
+            break;
+        }
+        let mut at = 0;
+        while at < b.len() {
+            let e: EntryOut = parse(&b[at..]);
+            let d: Dirent = parse(&b[at + size_of::<EntryOut>()..]);
+            let name_at = at + size_of::<EntryOut>() + size_of::<Dirent>();
+            let name = b[name_at..name_at + d.namelen as usize].to_vec();
+            if name != b"." && name != b".." {
+                out.push((name, e.attr.blocks));
+            }
+            offset = d.off;
+            at += (size_of::<EntryOut>() + size_of::<Dirent>() + d.namelen as usize)
+                .next_multiple_of(8);
+        }
+    }
+    fx.ok(dir, Operation::Releasedir { fh: o.fh });
+    out
+}
+
+/// Issue 12: st_blocks of a sparse file counted its holes (1 byte at 1 TiB showed 2^31
+/// blocks) wherever the blocks were not at hand: READDIRPLUS with cold caches (after a
+/// remount, or of a file open without its map loaded), and a map too large to sum in one
+/// read. Every reply path must say what is allocated.
+#[test]
+fn st_blocks_are_allocated_blocks_in_every_reply() {
+    const _: () = assert!(super::files::EXTENTS_CACHED_MAX < 70);
+    let mut fx = Fx::new();
+    let (sparse, fh) = fx.create(ROOT, b"sparse");
+    fx.write(sparse, fh, 1 << 40, b"x");
+    fx.release(sparse, fh);
+    // More extents than one read returns (every other block, so none merge).
+    let (many, fh) = fx.create(ROOT, b"many");
+    for i in 0..70u64 {
+        fx.write(many, fh, 2 * i * BLOCK_SIZE, &pattern(i as u8, 1));
+    }
+    fx.release(many, fh);
+    let want = [(&b"sparse"[..], 8u64), (b"many", 70 * 8)];
+    let sorted = |mut v: Vec<(Vec<u8>, u64)>| {
+        v.sort();
+        v
+    };
+    let expect = sorted(want.iter().map(|(n, b)| (n.to_vec(), *b)).collect());
+    assert_eq!(sorted(blocks_listed(&mut fx, ROOT)), expect, "READDIRPLUS");
+    // Cold caches: READDIRPLUS first (what `ls -l` and `du` send), then the rest.
+    let mut fx = second_mount(&fx);
+    assert_eq!(
+        sorted(blocks_listed(&mut fx, ROOT)),
+        expect,
+        "READDIRPLUS after a remount"
+    );
+    let mut fx = second_mount(&fx);
+    for (name, blocks) in want {
+        let e = fx.lookup(ROOT, name);
+        assert_eq!(e.attr.blocks, blocks, "LOOKUP {name:?}");
+        assert_eq!(fx.getattr(e.nodeid).attr.blocks, blocks, "GETATTR {name:?}");
+    }
+    // Open, its map not loaded yet.
+    let mut fx = second_mount(&fx);
+    let ino = fx.lookup(ROOT, b"many").nodeid;
+    let fh = fx.open(ino);
+    let mut fx2 = second_mount(&fx);
+    let fh2 = fx2.open(ino);
+    assert_eq!(
+        sorted(blocks_listed(&mut fx2, ROOT)),
+        expect,
+        "READDIRPLUS of an open file"
+    );
+    fx2.release(ino, fh2);
+    // CREATE of a name that exists (no O_EXCL) answers with the file's blocks.
+    let b = fx.ok(
+        ROOT,
+        Operation::Create {
+            name: b"sparse",
+            flags: libc::O_RDWR as u32,
+            mode: 0o644,
+            umask: 0o022,
+            open_flags: 0,
+        },
+    );
+    let e: EntryOut = parse(&b);
+    assert_eq!((e.attr.size, e.attr.blocks), ((1 << 40) + 1, 8), "CREATE");
+    let o: OpenOut = parse(&b[size_of::<EntryOut>()..]);
+    fx.release(e.nodeid, o.fh);
+    fx.release(ino, fh);
+}
+
+#[test]
+fn fuse_attr_never_counts_a_regular_files_holes() {
+    use meta::types::FileType;
+    let t = meta::types::Timespec::new(0, 0);
+    let mut a = meta::codec::InodeAttr {
+        ino: meta::types::Ino(2),
+        kind: FileType::Regular,
+        perm: 0o644,
+        uid: 0,
+        gid: 0,
+        size: (1 << 40) + 1,
+        nlink: 1,
+        atime: t,
+        mtime: t,
+        ctime: t,
+        crtime: t,
+        rdev: 0,
+        generation: 1,
+        flags: 0,
+    };
+    assert_eq!(super::fuse_attr(&a, Some(8)).blocks, 8);
+    assert_eq!(super::fuse_attr(&a, None).blocks, 0);
+    a.kind = FileType::Directory;
+    a.size = 5000;
+    assert_eq!(super::fuse_attr(&a, None).blocks, 16);
+    let e = |file_off, len| meta::codec::Extent {
+        file_off,
+        len,
+        dev_off: 0,
+        unwritten: false,
+    };
+    assert_eq!(
+        super::extent_blocks(&[e(0, BLOCK_SIZE), e(1 << 40, 3 * BLOCK_SIZE)]),
+        32
+    );
+}
+
 #[test]
 fn reads_use_the_cached_map_and_device_not_etcd() {
     let mut fx = Fx::new();
