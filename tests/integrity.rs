@@ -71,10 +71,7 @@ fn copy_like_cp(src: &Path, dst: &Path) {
 /// (total, free) 4 KiB blocks by statfs.
 fn statfs_blocks(mnt: &Path) -> (u64, u64) {
     let out = run_ok(Command::new("stat").args(["-f", "-c", "%b %f %S"]).arg(mnt));
-    let v: Vec<u64> = out
-        .split_whitespace()
-        .map(|w| w.parse().unwrap())
-        .collect();
+    let v: Vec<u64> = out.split_whitespace().map(|w| w.parse().unwrap()).collect();
     assert_eq!(v[2], BLOCK, "statfs block size");
     (v[0], v[1])
 }
@@ -129,12 +126,12 @@ fn two_copiers_never_share_blocks() {
     let m = fs.mount("auto", &[]);
     let mut bad = Vec::new();
     for round in 1..=3 {
-        for i in 0..8 {
+        for (i, (_, want)) in sources.iter().enumerate() {
             let side = if i < 4 { "a" } else { "b" };
             let name = format!("{side}{round}{i}");
             let got = fs::read(m.path(&name)).expect("read copy");
-            if got != sources[i].1 {
-                let at = got.iter().zip(&sources[i].1).position(|(a, b)| a != b);
+            if &got != want {
+                let at = got.iter().zip(want).position(|(a, b)| a != b);
                 bad.push(format!("{name} (first difference at {at:?})"));
             }
         }
@@ -142,7 +139,11 @@ fn two_copiers_never_share_blocks() {
     assert!(bad.is_empty(), "copies differ from their sources: {bad:?}");
     // Nothing leaked and nothing counted twice: free plus the files' blocks is everything.
     let (total, free) = statfs_blocks(&m.mnt);
-    assert_eq!(free + file_blocks(&m.mnt), total, "statfs free + files' blocks");
+    assert_eq!(
+        free + file_blocks(&m.mnt),
+        total,
+        "statfs free + files' blocks"
+    );
     m.stop();
 }
 
@@ -233,9 +234,7 @@ fn kill9_remount_loop_keeps_fsynced_data_and_space() {
     for e in fs::read_dir(&m.mnt).unwrap() {
         fs::remove_file(e.unwrap().path()).unwrap();
     }
-    let back = common::eventually(Duration::from_secs(10), || {
-        statfs_blocks(&m.mnt).1 == total
-    });
+    let back = common::eventually(Duration::from_secs(10), || statfs_blocks(&m.mnt).1 == total);
     assert!(back, "all space free again after removing every file");
     m.stop();
 }
@@ -283,7 +282,10 @@ fn enospc_only_when_the_device_is_full() {
             Ok(()) => written += MIB as u64,
             Err(e) => break e,
         }
-        assert!(written < 300 * MIB as u64, "wrote more than the device holds");
+        assert!(
+            written < 300 * MIB as u64,
+            "wrote more than the device holds"
+        );
     };
     assert_eq!(errno_of::<()>(Err(err)), Some(libc::ENOSPC));
     let (_, free) = statfs_blocks(&a.mnt);
@@ -323,6 +325,10 @@ fn remount_after_kill9_has_all_the_space() {
         "the write waited {took:?}: for the dead session's lease?"
     );
     assert_same_bytes("again", &fs::read(m.path("again")).unwrap(), &data);
-    assert!(m.log_text().contains("is dead: ending it now"), "{}", m.log_text());
+    assert!(
+        m.log_text().contains("is dead: ending it now"),
+        "{}",
+        m.log_text()
+    );
     m.stop();
 }

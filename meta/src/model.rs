@@ -81,6 +81,7 @@ struct State {
     faults: Faults,
     rng: u64,
     txns: u64,
+    ranges: u64,
 }
 
 /// The in-memory etcd model.
@@ -112,6 +113,7 @@ impl MemEtcd {
                 faults: Faults::default(),
                 rng: 0x9e37_79b9_7f4a_7c15,
                 txns: 0,
+                ranges: 0,
             }),
             clock,
             ops_max: ETCD_TXN_OPS_MAX,
@@ -149,6 +151,11 @@ impl MemEtcd {
     /// Number of transactions applied (successful or not).
     pub fn txn_count(&self) -> u64 {
         self.lock().txns
+    }
+
+    /// Number of range requests served (outside transactions).
+    pub fn range_count(&self) -> u64 {
+        self.lock().ranges
     }
 
     /// Drops history before `rev` (reads and watches below it fail with `Compacted`).
@@ -200,6 +207,7 @@ impl MemEtcd {
         let now = self.clock.mono();
         let mut s = self.lock();
         s.expire(now);
+        s.ranges += 1;
         s.range(req)
     }
 

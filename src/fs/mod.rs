@@ -1836,6 +1836,7 @@ impl Inner {
         }
         // Writes, truncates, fallocate and punch change the extents: st_blocks with them.
         self.caches.forget_blocks(f.attr.ino.0);
+        f.window = None;
         Ok(out)
     }
 
@@ -1871,16 +1872,22 @@ impl Inner {
         if let Some(map) = &f.extents {
             return Ok(files::overlapping(map, off, len).to_vec());
         }
-        // A map too large to cache: read the extents this range can touch (one per block
-        // at most, plus the one reaching in from before).
-        let limit = (len.div_ceil(BLOCK_SIZE) as usize).saturating_add(2);
-        let (list, _) = self
+        if let Some(hit) = f.window.as_ref().and_then(|w| w.covering(off, len)) {
+            return Ok(hit.to_vec());
+        }
+        // A map too large to cache: read a window from here on, at least the extents this
+        // range can touch (one per block at most, plus the one reaching in from before).
+        let need = (len.div_ceil(BLOCK_SIZE) as usize).saturating_add(2);
+        let limit = need.max(files::WINDOW_EXTENTS);
+        let (list, more) = self
             .meta
             .extents(Ino(ino), off, limit)
             .and_then(|t| t.wait())
             .map_err(|e| errno::meta(&e))?;
         let v: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
-        Ok(files::overlapping(&v, off, len).to_vec())
+        let hit = files::overlapping(&v, off, len).to_vec();
+        f.window = Some(files::ExtentWindow::of(off, v, more));
+        Ok(hit)
     }
 
     /// READ: a plan of device reads and zeros.
@@ -2373,6 +2380,7 @@ impl Inner {
         }
         f.extents = None;
         f.map_too_big = false;
+        f.window = None;
         f.attr.size = p.committed_size;
         // The next etcd read of the attributes replaces them.
         f.attr_rev = 0;
