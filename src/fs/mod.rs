@@ -33,9 +33,10 @@
 //!   file's extents or size through etcd (truncate, setattr, fallocate, punch), past
 //!   [`PENDING_BYTES_MAX`] or [`PENDING_EXTENTS_MAX`], and at most [`PENDING_AGE_MAX`]
 //!   after the first write (the housekeeping thread). Another node sees such a write at
-//!   close, fsync or within about a second; a crash loses at most what was pending (the
-//!   blocks were never published as allocated, so no space leaks but what another
-//!   commit's free map of the same group published).
+//!   close, fsync or within about a second; a crash loses at most what was pending, and
+//!   no space: the allocator keeps such blocks *reserved*, used in its own maps but free
+//!   in every map it writes to etcd, until the commit of the extent that points at them
+//!   ([`Allocator::publish`]).
 //!
 //! Kernel references (LOOKUP counts) need no table: inode numbers are never reused and
 //! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
@@ -1791,9 +1792,10 @@ impl Inner {
     }
 
     /// [`Inner::commit_locked`] for a `SetExtents` that points at `allocated` blocks
-    /// (reserved by this node; `groups` are the groups of all blocks the file has reserved,
-    /// whose ownership the commit is fenced on). The blocks are published as used in the
-    /// maps that go with it; the maps are encoded and submitted under the allocator lock,
+    /// (reserved by this node). The blocks are published as used in the maps of their
+    /// groups that go with it, and the commit is fenced on owning those groups (only
+    /// those: a group whose blocks were all published may have been handed to another
+    /// node since); the maps are encoded and submitted under the allocator lock,
     /// so the pipeline (which keeps one map's writes in submission order) commits them in
     /// the order of the allocator changes they describe. A commit that fails leaves the
     /// blocks published: a crash before a retry leaks them, but nothing hands them out
@@ -1803,14 +1805,13 @@ impl Inner {
         f: &mut files::FileInner,
         mut m: Mutation,
         allocated: &[FileExtent],
-        groups: &BTreeSet<AgId>,
     ) -> Result<Outcome, Errno> {
         let ticket = {
             let mut a = lock(&self.alloc);
             let blocks: Vec<Extent> = allocated.iter().map(device_blocks).collect();
             a.publish(&blocks);
             if let Mutation::SetExtents { free_maps, .. } = &mut m {
-                *free_maps = encode_maps(&a, groups);
+                *free_maps = encode_maps(&a, &a.groups_of(&blocks));
             }
             self.meta.submit_blocking(m)
         };
@@ -2123,7 +2124,6 @@ impl Inner {
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
-        let groups = groups_of(&lock(&self.alloc), &allocated);
         let m = Mutation::SetExtents {
             ino: Ino(ino),
             off: plan.block_off,
@@ -2133,7 +2133,7 @@ impl Inner {
             touch_mtime: true,
             free_maps: Vec::new(),
         };
-        let out = match self.commit_allocation_locked(&mut f, m, &allocated, &groups) {
+        let out = match self.commit_allocation_locked(&mut f, m, &allocated) {
             Ok(o) => o,
             Err(e) => {
                 self.unalloc_unless_maybe_applied(&allocated, e);
@@ -2326,7 +2326,6 @@ impl Inner {
             .map(|e| clip(e, p.off, p.end))
             .collect();
         let merged = merge_extents(&clipped);
-        let groups = groups_of(&lock(&self.alloc), &p.allocated);
         let chunks: Vec<&[FileExtent]> = if merged.is_empty() {
             vec![&[]]
         } else {
@@ -2363,7 +2362,7 @@ impl Inner {
                 .filter(|e| e.file_off >= c_off && e.file_off < c_end)
                 .copied()
                 .collect();
-            outs.push(self.commit_allocation_locked(f, m, &mine, &groups)?);
+            outs.push(self.commit_allocation_locked(f, m, &mine)?);
         }
         if let Some(map) = f.extents.as_mut() {
             files::replace_range(map, p.off, p.end - p.off, &merged);
@@ -2998,7 +2997,6 @@ impl Inner {
                 (Some(a), Some(b)) => (a.file_off, b.file_off + b.len - a.file_off),
                 _ => (b_off, BLOCK_SIZE),
             };
-            let groups = groups_of(&lock(&self.alloc), &chunk);
             // The replaced range holds only holes and the new extents (existing extents
             // between chunk pieces are passed back unchanged).
             // Cut to the range: with no hole to fill, the range is one block whose extent
@@ -3018,7 +3016,7 @@ impl Inner {
                 touch_mtime: false,
                 free_maps: Vec::new(),
             };
-            let out = match self.commit_allocation_locked(&mut f, m, &chunk, &groups) {
+            let out = match self.commit_allocation_locked(&mut f, m, &chunk) {
                 Ok(o) => o,
                 Err(e) => {
                     self.unalloc_unless_maybe_applied(&chunk, e);
@@ -3378,12 +3376,6 @@ fn sized(data: Vec<u8>, size: u32) -> Result<Done, Errno> {
 /// The device blocks a file extent maps to.
 fn device_blocks(e: &FileExtent) -> Extent {
     Extent::new(e.dev_off / BLOCK_SIZE, e.len / BLOCK_SIZE)
-}
-
-/// The allocation groups the device blocks of `exts` lie in.
-fn groups_of(a: &Allocator, exts: &[FileExtent]) -> BTreeSet<AgId> {
-    let blocks: Vec<Extent> = exts.iter().map(device_blocks).collect();
-    a.groups_of(&blocks)
 }
 
 /// Whether device range `inner` lies inside `outer`.
