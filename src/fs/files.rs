@@ -43,11 +43,11 @@ pub(crate) struct FileInner {
     pub(crate) extents: Option<Vec<FileExtent>>,
     /// The map has more than [`EXTENTS_CACHED_MAX`] extents: do not try to cache it.
     pub(crate) map_too_big: bool,
-    /// For a map too big to cache: the extents of one file range, read in one request,
-    /// so that a sequence of READs (or random ones near each other) does not go to etcd
-    /// each time (a file of 30,000 extents took 12–63 ms per 4 KiB READ). Dropped with
-    /// every change of the file's extents.
-    pub(crate) window: Option<ExtentWindow>,
+    /// For a map too big to cache whole: windows of it (the extents of one file range
+    /// each, read in one request), up to [`WINDOWS_EXTENTS_MAX`], so that READs do not go
+    /// to etcd each time (a file of 30,000 extents took 12–63 ms per 4 KiB READ). Dropped
+    /// with every change of the file's extents.
+    pub(crate) windows: Windows,
     /// Unlinked while open: the last close deletes it.
     pub(crate) orphaned: bool,
     /// mtime of in-place overwrites not yet written to etcd.
@@ -97,6 +97,52 @@ impl ExtentWindow {
 pub(crate) const WINDOW_EXTENTS: usize = 4096;
 #[cfg(test)]
 pub(crate) const WINDOW_EXTENTS: usize = 16;
+/// Extents kept in the windows of one open file (32 bytes each: 8 MiB).
+#[cfg(not(test))]
+pub(crate) const WINDOWS_EXTENTS_MAX: usize = 1 << 18;
+#[cfg(test)]
+pub(crate) const WINDOWS_EXTENTS_MAX: usize = 256;
+
+/// The windows of one file's map, by start offset, within [`WINDOWS_EXTENTS_MAX`].
+#[derive(Debug, Default)]
+pub(crate) struct Windows {
+    by_start: std::collections::BTreeMap<u64, ExtentWindow>,
+    extents: usize,
+}
+
+impl Windows {
+    /// The extents overlapping `[off, off + len)` from a window that covers the range
+    /// (the nearest few starting at or before `off`: windows may overlap).
+    pub(crate) fn covering(&self, off: u64, len: u64) -> Option<&[FileExtent]> {
+        self.by_start
+            .range(..=off)
+            .rev()
+            .take(4)
+            .find_map(|(_, w)| w.covering(off, len))
+    }
+
+    /// Keeps `w`, dropping the windows furthest from it while over the bound.
+    pub(crate) fn insert(&mut self, w: ExtentWindow) {
+        let at = w.from;
+        self.extents += w.extents.len();
+        if let Some(old) = self.by_start.insert(at, w) {
+            self.extents -= old.extents.len();
+        }
+        while self.extents > WINDOWS_EXTENTS_MAX && self.by_start.len() > 1 {
+            let (&first, _) = self.by_start.first_key_value().expect("non-empty");
+            let (&last, _) = self.by_start.last_key_value().expect("non-empty");
+            let victim = if at - first >= last - at { first } else { last };
+            if let Some(old) = self.by_start.remove(&victim) {
+                self.extents -= old.extents.len();
+            }
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.by_start.clear();
+        self.extents = 0;
+    }
+}
 
 /// The extent and size change of allocating writes not yet committed (write-behind): one
 /// block range, committed as one `SetExtents` after one device flush.
@@ -143,7 +189,7 @@ impl FileInner {
 
     /// Drops the cached map unless pending writes live in it (see [`Files::forget_extents`]).
     pub(crate) fn forget_extents(&mut self) {
-        self.window = None;
+        self.windows.clear();
         if self.pending.is_none() {
             self.extents = None;
             self.map_too_big = false;
@@ -282,7 +328,7 @@ impl Files {
                 attr_rev: rev,
                 extents: None,
                 map_too_big: false,
-                window: None,
+                windows: Windows::default(),
                 orphaned: false,
                 mtime_dirty: None,
                 pending: None,
@@ -611,5 +657,35 @@ mod tests {
                 ext(10, 1, 30)
             ]
         );
+    }
+
+    fn window(from: u64, n: u64) -> ExtentWindow {
+        let list = (0..n)
+            .map(|i| FileExtent {
+                file_off: from + i * 2 * B,
+                len: B,
+                dev_off: (from + i * 2 * B) * 2,
+                unwritten: false,
+            })
+            .collect();
+        ExtentWindow::of(from, list, true)
+    }
+
+    #[test]
+    fn windows_stay_within_their_bound_and_keep_the_newest() {
+        let mut w = Windows::default();
+        let per = 40u64;
+        for k in 0..20u64 {
+            w.insert(window(k * per * 2 * B, per));
+            assert!(w.extents <= WINDOWS_EXTENTS_MAX, "{} extents kept", w.extents);
+        }
+        let last = 19 * per * 2 * B;
+        assert_eq!(w.covering(last + 2 * B, 100).map(<[_]>::len), Some(1));
+        // A hole between two extents inside a window is a hole, not a miss.
+        assert_eq!(w.covering(last + B, 100).map(<[_]>::len), Some(0));
+        // Past the last extent of a window that stopped at its limit: unknown.
+        assert!(w.covering(last + per * 2 * B, 100).is_none());
+        w.clear();
+        assert!(w.covering(last, 1).is_none());
     }
 }

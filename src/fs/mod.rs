@@ -1837,7 +1837,7 @@ impl Inner {
         }
         // Writes, truncates, fallocate and punch change the extents: st_blocks with them.
         self.caches.forget_blocks(f.attr.ino.0);
-        f.window = None;
+        f.windows.clear();
         Ok(out)
     }
 
@@ -1864,16 +1864,19 @@ impl Inner {
                 .extents(Ino(ino), 0, files::EXTENTS_CACHED_MAX)
                 .and_then(|t| t.wait())
                 .map_err(|e| errno::meta(&e))?;
+            let list: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
             if more {
+                // What was read is the first window of the map.
                 f.map_too_big = true;
+                f.windows.insert(files::ExtentWindow::of(0, list, true));
             } else {
-                f.extents = Some(list.iter().map(FileExtent::from).collect());
+                f.extents = Some(list);
             }
         }
         if let Some(map) = &f.extents {
             return Ok(files::overlapping(map, off, len).to_vec());
         }
-        if let Some(hit) = f.window.as_ref().and_then(|w| w.covering(off, len)) {
+        if let Some(hit) = f.windows.covering(off, len) {
             return Ok(hit.to_vec());
         }
         // A map too large to cache: read a window from here on, at least the extents this
@@ -1887,7 +1890,7 @@ impl Inner {
             .map_err(|e| errno::meta(&e))?;
         let v: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
         let hit = files::overlapping(&v, off, len).to_vec();
-        f.window = Some(files::ExtentWindow::of(off, v, more));
+        f.windows.insert(files::ExtentWindow::of(off, v, more));
         Ok(hit)
     }
 
@@ -2379,7 +2382,7 @@ impl Inner {
         }
         f.extents = None;
         f.map_too_big = false;
-        f.window = None;
+        f.windows.clear();
         f.attr.size = p.committed_size;
         // The next etcd read of the attributes replaces them.
         f.attr_rev = 0;
