@@ -677,7 +677,11 @@ mod tests {
         let per = 40u64;
         for k in 0..20u64 {
             w.insert(window(k * per * 2 * B, per));
-            assert!(w.extents <= WINDOWS_EXTENTS_MAX, "{} extents kept", w.extents);
+            assert!(
+                w.extents <= WINDOWS_EXTENTS_MAX,
+                "{} extents kept",
+                w.extents
+            );
         }
         let last = 19 * per * 2 * B;
         assert_eq!(w.covering(last + 2 * B, 100).map(<[_]>::len), Some(1));
