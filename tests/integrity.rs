@@ -264,8 +264,16 @@ fn kill9_remount_loop_keeps_fsynced_data_and_space() {
     for e in fs::read_dir(&m.mnt).unwrap() {
         fs::remove_file(e.unwrap().path()).unwrap();
     }
-    let back = common::eventually(Duration::from_secs(10), || statfs_blocks(&m.mnt).1 == total);
-    assert!(back, "all space free again after removing every file");
+    let mut free = 0;
+    let back = common::eventually(Duration::from_secs(10), || {
+        free = statfs_blocks(&m.mnt).1;
+        free == total
+    });
+    assert!(
+        back,
+        "after removing every file {free} of {total} blocks are free; daemon log:\n{}",
+        m.log_text()
+    );
     m.stop();
 }
 

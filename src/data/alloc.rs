@@ -543,7 +543,7 @@ impl Allocator {
     }
 
     /// Splits an extent at group boundaries, or fails if any part is outside every group.
-    fn split_by_group(&self, ext: Extent) -> Result<Vec<(AgId, Extent)>, AllocError> {
+    pub(crate) fn split_by_group(&self, ext: Extent) -> Result<Vec<(AgId, Extent)>, AllocError> {
         let mut out = Vec::new();
         let mut s = ext.start.0;
         let e = ext

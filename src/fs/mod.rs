@@ -910,30 +910,45 @@ impl Inner {
         let mut a = lock(&self.alloc);
         let mut changed = BTreeSet::new();
         let mut done: Vec<meta::pipeline::DevRange> = Vec::new();
-        for r in freed {
+        // Group by group: an extent can run across a group boundary (contiguous pieces of
+        // two groups merge), and a claim applies the released records of its group only.
+        // Freeing such a range whole once treated the part in the group already owned as
+        // freed by the claim, and leaked it (found by the kill -9 loop's final count).
+        let parts = freed.iter().flat_map(|r| {
             let ext = Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE);
             if ext.len == 0 {
-                continue;
+                return Vec::new();
             }
-            let groups = a.groups_of(&[ext]);
-            if !groups.iter().all(|g| a.owned().contains(g)) {
+            a.split_by_group(ext).unwrap_or_else(|e| {
+                log::error!("freed range {ext}: {e}");
+                Vec::new()
+            })
+        });
+        let parts: Vec<(AgId, Extent)> = parts.collect();
+        for (g, part) in parts {
+            if !a.owned().contains(&g) {
                 log::warn!(
-                    "freed {ext} lies in a group this node does not own; left to the group's \
+                    "freed {part} lies in a group this node does not own; left to the group's \
                      next owner (released record)"
                 );
                 continue;
             }
-            match a.free(ext) {
+            let range = meta::pipeline::DevRange {
+                dev_off: part.dev_off(),
+                len: part.byte_len(),
+            };
+            match a.free(part) {
                 Ok(g) => {
                     changed.extend(g);
-                    done.push(*r);
+                    done.push(range);
                 }
-                // Already free: a claim just applied this range's released records.
-                Err(AllocError::DoubleFree { .. }) => done.push(*r),
-                Err(e) => log::error!("freeing {ext}: {e}"),
+                // Already free: a claim applied this range's released record (this call's,
+                // or another thread's that ran between the commit and now).
+                Err(AllocError::DoubleFree { .. }) => done.push(range),
+                Err(e) => log::error!("freeing {part}: {e}"),
             }
         }
-        // Records whose range is in the maps now (each lies inside one freed range).
+        // Records whose range is in the maps now (each lies inside one group's part).
         let records: Vec<u64> = released
             .iter()
             .filter(|p| done.iter().any(|r| dev_range_within(p, r)))
