@@ -623,8 +623,13 @@ impl EtcFs {
 /// not a zombie, started no later than the session (a reused pid is a newer process).
 fn daemon_alive(rec: &meta::codec::NodeRecord) -> bool {
     let proc_dir = PathBuf::from(format!("/proc/{}", rec.pid));
-    let comm = std::fs::read_to_string(proc_dir.join("comm")).unwrap_or_default();
-    if !comm.trim().starts_with("etcfs") {
+    // The program, by its executable's name or its argv[0] (comm is cut at 15 bytes and
+    // a helper such as mount.etcfs may have exec'd it): anything else is not the daemon.
+    let exe = std::fs::read_link(proc_dir.join("exe")).unwrap_or_default();
+    let argv0 = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
+    let argv0 = argv0.split(|&b| b == 0).next().unwrap_or_default();
+    let named_etcfs = |b: &[u8]| b.windows(5).any(|w| w == b"etcfs");
+    if !named_etcfs(exe.as_os_str().as_encoded_bytes()) && !named_etcfs(argv0) {
         return false;
     }
     let Ok(stat) = std::fs::read_to_string(proc_dir.join("stat")) else {

@@ -1802,3 +1802,23 @@ fn growing_a_file_hides_device_bytes_past_the_old_size() {
         fx.release(ino, fh);
     }
 }
+
+/// A session of this host is taken for dead only when its daemon is gone: no such pid, a
+/// process that is not etcfs, or one that started after the session did (a reused pid).
+#[test]
+fn a_local_session_is_dead_only_when_its_daemon_is_gone() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let rec = |pid: u32, sec: i64| meta::codec::NodeRecord {
+        name: b"h".to_vec(),
+        pid,
+        started: meta::types::Timespec { sec, nsec: 0 },
+    };
+    // This test binary is named etcfs-<hash>, started before now.
+    assert!(super::daemon_alive(&rec(std::process::id(), now)));
+    assert!(!super::daemon_alive(&rec(std::process::id(), 1_000)));
+    assert!(!super::daemon_alive(&rec(1, now)), "init is not etcfs");
+    assert!(!super::daemon_alive(&rec(u32::MAX - 1, now)), "no such pid");
+}
