@@ -338,6 +338,51 @@ fn enospc_only_when_the_device_is_full() {
     a.stop();
 }
 
+/// Two nodes writing at once on a device they fill to 90% between them: space moves to
+/// whichever needs it, neither gets ENOSPC, and neither file has the other's bytes.
+#[test]
+fn two_nodes_writing_at_once_share_the_space() {
+    let Some(fs) = small_groups("two_nodes_share_space", 256 << 20, 8) else {
+        return;
+    };
+    let a = fs.mount("auto", &[]);
+    let b_mnt = fs.base.join("b");
+    fs::create_dir(&b_mnt).unwrap();
+    let b = common::Daemon::spawn(
+        &fs.mount_args("auto", &[]),
+        &b_mnt,
+        &fs.base.join("b.log"),
+        "auto",
+    );
+    let files: Vec<(PathBuf, Vec<u8>)> = (0..4u64)
+        .map(|i| {
+            let m = if i % 2 == 0 { &a } else { &b };
+            (
+                m.path(&format!("f{i}")),
+                noise(55 * MIB + 777 * i as usize, 20 + i),
+            )
+        })
+        .collect();
+    thread::scope(|s| {
+        for (p, data) in &files {
+            s.spawn(move || {
+                let mut f = File::create(p).unwrap();
+                for c in data.chunks(MIB / 2) {
+                    f.write_all(c)
+                        .unwrap_or_else(|e| panic!("write {}: {e}", p.display()));
+                }
+                f.sync_all()
+                    .unwrap_or_else(|e| panic!("fsync {}: {e}", p.display()));
+            });
+        }
+    });
+    for (p, data) in &files {
+        assert_same_bytes(&p.display().to_string(), &read_direct(p), data);
+    }
+    b.stop();
+    a.stop();
+}
+
 /// kill -9 and an immediate remount: the dead session's groups are free at once (its
 /// daemon is gone from this host), so writes need not wait for its lease.
 #[test]
