@@ -2599,6 +2599,10 @@ impl Inner {
     /// keeping one. Each goes with its final map (fenced on our ownership, so the next
     /// owner loads exactly what we last allocated), then its ownership record is deleted.
     fn hand_back_groups(&self) {
+        // No claim runs meanwhile: one of a group being handed back (a free landing in it
+        // claims it again) would be answered "yours" and could load its map from etcd
+        // before the final map write landed, then hand out blocks that write allocated.
+        let _one = lock(&self.claiming);
         let candidates: Vec<AgId> = {
             let a = lock(&self.alloc);
             let mut owned: Vec<(u64, AgId)> = a
