@@ -1817,8 +1817,14 @@ fn a_local_session_is_dead_only_when_its_daemon_is_gone() {
         started: meta::types::Timespec { sec, nsec: 0 },
     };
     // This test binary is named etcfs-<hash>, started before now.
-    assert!(super::daemon_alive(&rec(std::process::id(), now)));
-    assert!(!super::daemon_alive(&rec(std::process::id(), 1_000)));
-    assert!(!super::daemon_alive(&rec(1, now)), "init is not etcfs");
-    assert!(!super::daemon_alive(&rec(u32::MAX - 1, now)), "no such pid");
+    assert!(super::space::daemon_alive(&rec(std::process::id(), now)));
+    assert!(!super::space::daemon_alive(&rec(std::process::id(), 1_000)));
+    assert!(
+        !super::space::daemon_alive(&rec(1, now)),
+        "init is not etcfs"
+    );
+    assert!(
+        !super::space::daemon_alive(&rec(u32::MAX - 1, now)),
+        "no such pid"
+    );
 }

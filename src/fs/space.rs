@@ -1,0 +1,592 @@
+//! Space: the groups this node owns and their free maps (claims, hand-backs to other
+//! nodes, dead local sessions), blocks handed out and given back, frees returned to their
+//! groups, and orphans of dead nodes. The allocator itself is pure (`crate::data::alloc`);
+//! this is where it meets etcd.
+//!
+//! Invariants (ARCHITECTURE.md has the reasons): a group's map is loaded only when the
+//! group is not owned, and claims and hand-backs run one at a time (`Inner::claiming`); a
+//! block is reserved from its allocation until the commit of the extent that points at it,
+//! and only that commit publishes it as used in etcd's map.
+
+use super::*;
+
+impl Inner {
+    /// Returns freed device ranges to the allocator and persists the free maps of the
+    /// groups this node owns, deleting the released records (`R`) the freeing commit logged
+    /// for them in the same transaction. A crash before that leaves the records, which the
+    /// next node to load the group applies (see [`Inner::try_claim`]); blocks in groups
+    /// other nodes own are left to them the same way.
+    pub(super) fn release_blocks(
+        &self,
+        freed: &[meta::pipeline::DevRange],
+        released: &[meta::pipeline::DevRange],
+    ) {
+        // Blocks in a group nobody owns (its node died) are ours to return: claim the
+        // group first, which loads its authoritative free map (and applies our records).
+        let exts: Vec<Extent> = freed
+            .iter()
+            .map(|r| Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE))
+            .filter(|e| e.len > 0)
+            .collect();
+        let unowned: Vec<AgId> = {
+            let a = lock(&self.alloc);
+            a.groups_of(&exts)
+                .into_iter()
+                .filter(|g| !a.owned().contains(g))
+                .collect()
+        };
+        for g in unowned {
+            if let Err(e) = self.try_claim(g.0) {
+                log::warn!("claiming group {} to return freed blocks: {e}", g.0);
+            }
+        }
+        let mut a = lock(&self.alloc);
+        let mut changed = BTreeSet::new();
+        let mut done: Vec<meta::pipeline::DevRange> = Vec::new();
+        // Group by group: an extent can run across a group boundary (contiguous pieces of
+        // two groups merge), and a claim applies the released records of its group only.
+        // Freeing such a range whole once treated the part in the group already owned as
+        // freed by the claim, and leaked it (found by the kill -9 loop's final count).
+        let parts = freed.iter().flat_map(|r| {
+            let ext = Extent::new(r.dev_off / BLOCK_SIZE, r.len / BLOCK_SIZE);
+            if ext.len == 0 {
+                return Vec::new();
+            }
+            a.split_by_group(ext).unwrap_or_else(|e| {
+                log::error!("freed range {ext}: {e}");
+                Vec::new()
+            })
+        });
+        let parts: Vec<(AgId, Extent)> = parts.collect();
+        for (g, part) in parts {
+            if !a.owned().contains(&g) {
+                log::warn!(
+                    "freed {part} lies in a group this node does not own; left to the group's \
+                     next owner (released record)"
+                );
+                continue;
+            }
+            let range = meta::pipeline::DevRange {
+                dev_off: part.dev_off(),
+                len: part.byte_len(),
+            };
+            match a.free(part) {
+                Ok(g) => {
+                    changed.extend(g);
+                    done.push(range);
+                }
+                // Already free: a claim applied this range's released record (this call's,
+                // or another thread's that ran between the commit and now).
+                Err(AllocError::DoubleFree { .. }) => done.push(range),
+                Err(e) => log::error!("freeing {part}: {e}"),
+            }
+        }
+        // Records whose range is in the maps now (each lies inside one group's part).
+        let records: Vec<u64> = released
+            .iter()
+            .filter(|p| done.iter().any(|r| dev_range_within(p, r)))
+            .map(|p| p.dev_off)
+            .collect();
+        if changed.is_empty() && records.is_empty() {
+            return;
+        }
+        // Each record goes with its group's map; batches stay well inside a transaction.
+        let mut by_group: std::collections::BTreeMap<AgId, Vec<u64>> = Default::default();
+        for off in records {
+            if let Some(g) = self.geometry.ag_of(BlockNo(off / BLOCK_SIZE)) {
+                changed.insert(g);
+                by_group.entry(g).or_default().push(off);
+            }
+        }
+        let mut batches: Vec<Mutation> = Vec::new();
+        let (mut maps, mut recs) = (Vec::new(), Vec::new());
+        for (g, map) in encode_maps(&a, &changed) {
+            let mine = by_group.remove(&AgId(g.0)).unwrap_or_default();
+            let mut chunks: Vec<&[u64]> = mine.chunks(RELEASED_PER_FOLD - 1).collect();
+            if chunks.is_empty() {
+                chunks.push(&[]);
+            }
+            for c in chunks {
+                if maps.len() + recs.len() + 1 + c.len() > RELEASED_PER_FOLD {
+                    batches.push(Mutation::FreeMaps {
+                        maps: std::mem::take(&mut maps),
+                        released: std::mem::take(&mut recs),
+                    });
+                }
+                maps.push((g, map.clone()));
+                recs.extend_from_slice(c);
+            }
+        }
+        if !maps.is_empty() {
+            batches.push(Mutation::FreeMaps {
+                maps,
+                released: recs,
+            });
+        }
+        // Submitted under the allocator lock, so free-map writes commit in the order of
+        // the allocator changes they describe.
+        for m in batches {
+            if let Err(e) = self.meta.submit_blocking(m) {
+                log::error!("persisting free maps: {e}");
+            }
+        }
+    }
+
+    pub(super) fn reclaim_orphan(&self, ino: Ino) {
+        // A large file goes in chunks, one commit each; every chunk removes extents, so
+        // this ends.
+        loop {
+            match self.meta.commit(Mutation::ReclaimOrphan { ino }) {
+                Ok(out) => {
+                    self.after_commit(&out);
+                    if !out.reclaim_more {
+                        return;
+                    }
+                }
+                Err(MetaError::NotFound) => return,
+                Err(e) => {
+                    log::warn!("reclaiming orphan inode {ino}: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Claims up to `n` more allocation groups and loads their free maps. One range read
+    /// finds the groups nobody owns; only those are tried.
+    pub(super) fn claim_groups(&self, n: usize) -> Result<usize, MetaError> {
+        let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        let owned: BTreeSet<u32> = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { meta::session::group_owners(&*kv, &keys).await })
+        })?
+        .into_iter()
+        .map(|(g, _)| g.0)
+        .collect();
+        let count = self.geometry.ag_count;
+        let start = (session.id().0 % u64::from(count.max(1))) as u32;
+        let mut claimed = 0;
+        for i in 0..count {
+            if claimed >= n {
+                break;
+            }
+            let g = (start + i) % count;
+            if !owned.contains(&g) && self.try_claim(g)? {
+                claimed += 1;
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// Ends the sessions of daemons of this host that died without closing them (kill -9,
+    /// a crash): their recorded pid is gone, or is some other process. Their groups and
+    /// orphans are free at once rather than a lease TTL later, so a remount right after a
+    /// crash has all the space. Only this host can tell, by its process table: node names
+    /// must be unique in the cluster (the hostname by default).
+    pub(super) fn revoke_dead_local_sessions(&self) {
+        let Some(session) = lock(&self.session).clone() else {
+            return;
+        };
+        let live = match run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { meta::session::live_sessions(&*kv, &keys).await })
+        }) {
+            Ok(l) => l,
+            Err(e) => {
+                log::warn!("listing sessions: {e}");
+                return;
+            }
+        };
+        let here = node_name();
+        for (id, rec) in live {
+            if id == session.id() || rec.name != here.as_bytes() || daemon_alive(&rec) {
+                continue;
+            }
+            log::info!(
+                "session {id} of this host (pid {}) is dead: ending it now",
+                rec.pid
+            );
+            let s = session.clone();
+            if let Err(e) = run_read(&self.meta, move |_, _| {
+                Box::pin(async move { s.revoke_dead(id).await })
+            }) {
+                log::warn!("ending dead session {id}: {e}");
+            }
+        }
+    }
+
+    /// Claims group `g` (if no live session owns it) and loads its free map from etcd.
+    /// True when this node newly owns it.
+    pub(super) fn try_claim(&self, g: u32) -> Result<bool, MetaError> {
+        let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        // One claim at a time: etcd answers "yours" to a second claim of a group this
+        // session already holds, and two writers that ran out of space at once used to load
+        // the group twice, the second load dropping the blocks the first had handed out.
+        let _one = lock(&self.claiming);
+        if lock(&self.alloc).owned().contains(&AgId(g)) {
+            return Ok(false);
+        }
+        let s = session.clone();
+        let got = run_read(&self.meta, move |_, _| {
+            Box::pin(async move { s.claim_group(GroupId(g)).await })
+        })?;
+        if !got {
+            return Ok(false);
+        }
+        let Some(span) = self.geometry.ag_extent(AgId(g)) else {
+            return Ok(false);
+        };
+        let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
+        let (raw, records) = run_read(&self.meta, move |kv, keys| {
+            Box::pin(async move {
+                let key = keys.free_map(GroupId(g));
+                let r = kv.range(RangeRequest::key(key)).await?;
+                let map = r.kvs.into_iter().next();
+                let rr = keys.released_between(from, to);
+                let req = RangeRequest::range(rr.start, rr.end).limit(RELEASED_LOAD_MAX);
+                let rel = kv.range(req).await?;
+                Ok((map, rel.kvs))
+            })
+        })?;
+        // Released records written after the map are frees it cannot include (and their
+        // blocks cannot have been allocated since: an allocation writes the map in its own
+        // commit); older ones it includes unless a write encoded before the free landed
+        // after it, which at worst leaks those blocks: applying them could hand out blocks
+        // in use.
+        let map_rev = raw.as_ref().map_or(0, |kv| kv.mod_revision);
+        let raw = raw.map(|kv| kv.value);
+        let keys = self.meta.keys();
+        let mut apply = Vec::new();
+        let mut fold = Vec::new();
+        for kv in &records {
+            let Some(meta::keys::KeyKind::Released(off)) = keys.parse(&kv.key) else {
+                continue;
+            };
+            fold.push(off);
+            match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value) {
+                Ok(r) if kv.mod_revision > map_rev => {
+                    apply.push(Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE));
+                }
+                Ok(_) => {}
+                Err(e) => log::error!("{e}; left as it is"),
+            }
+        }
+        let map = match raw {
+            // Never written: nothing was ever allocated from the group.
+            None => AgFreeMap::all_free(AgId(g), span),
+            Some(b) => match AgFreeMap::decode(&b, AgId(g), span) {
+                Ok(m) => m,
+                Err(e) => {
+                    log::error!(
+                        "corrupt free map at key {}: {e}; not using group {g}",
+                        self.meta
+                            .keys()
+                            .describe(&self.meta.keys().free_map(GroupId(g)))
+                    );
+                    return Ok(false);
+                }
+            },
+        };
+        let mut map = map;
+        for e in apply {
+            map.free_lenient(e);
+        }
+        let mut a = lock(&self.alloc);
+        if let Err(e) = a.load_group(map).and_then(|()| a.own(AgId(g))) {
+            log::error!("loading group {g}: {e}");
+            return Ok(false);
+        }
+        // The map with the records applied replaces them, in fenced commits of a bounded
+        // number of deletes each (every one writes the whole map).
+        let maps = encode_maps(&a, &BTreeSet::from([AgId(g)]));
+        let tickets: Vec<_> = fold
+            .chunks(RELEASED_PER_FOLD)
+            .map(|c| {
+                self.meta.submit_blocking(Mutation::FreeMaps {
+                    maps: maps.clone(),
+                    released: c.to_vec(),
+                })
+            })
+            .collect();
+        drop(a);
+        for t in tickets {
+            if let Err(e) = t.and_then(|t| t.wait()) {
+                log::warn!("folding released records into group {g}'s free map: {e}");
+            }
+        }
+        Ok(true)
+    }
+
+    pub(super) fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
+        let dead = run_read(&self.meta, |kv, keys| {
+            Box::pin(
+                async move { meta::session::dead_orphans(&*kv, &keys, ORPHAN_RECLAIM_BATCH).await },
+            )
+        })?;
+        for o in dead {
+            log::info!(
+                "reclaiming inode {} left open by dead session {}",
+                o.ino,
+                o.session
+            );
+            self.reclaim_orphan(o.ino);
+        }
+        Ok(())
+    }
+
+    /// Free blocks of the groups this node owns (tests).
+    #[cfg(test)]
+    pub(crate) fn alloc_free_blocks(&self) -> u64 {
+        let a = lock(&self.alloc);
+        a.owned()
+            .iter()
+            .map(|g| a.group(*g).map_or(0, AgFreeMap::free_blocks))
+            .sum()
+    }
+
+    /// Blocks in this node's groups, claiming free groups for a shortfall, then asking the
+    /// owners of groups with free space to hand some over (and waiting for dead owners'
+    /// leases to run out). ENOSPC only when the device as a whole lacks the space, or when
+    /// nobody hands any over within [`SPACE_WAIT_MAX`].
+    pub(super) fn alloc_blocks(
+        &self,
+        blocks: u64,
+        goal: Option<BlockNo>,
+    ) -> Result<Vec<Extent>, Errno> {
+        let mut asked: Option<std::time::Instant> = None;
+        let r = loop {
+            let r = lock(&self.alloc).alloc(blocks, goal);
+            let (wanted, free) = match r {
+                Err(AllocError::NoSpace { wanted, free }) => (wanted, free),
+                Ok(p) => break Ok(p),
+                Err(e) => break Err(errno::alloc(&e)),
+            };
+            let need = (wanted - free.min(wanted)).div_ceil(self.geometry.ag_blocks);
+            match self.claim_groups(need.max(1) as usize) {
+                Ok(n) if n > 0 => continue,
+                Ok(_) => {}
+                Err(e) => {
+                    log::warn!("claiming groups for {wanted} blocks: {e}");
+                    break Err(Errno::ENOSPC);
+                }
+            }
+            // Every group has an owner. Is the space there at all?
+            match self.device_free_blocks() {
+                Ok(total) if total >= wanted => {}
+                Ok(_) => break Err(Errno::ENOSPC),
+                Err(e) => break Err(e),
+            }
+            let since = *asked.get_or_insert_with(|| {
+                log::info!(
+                    "out of space in this node's groups ({wanted} blocks wanted): asking \
+                     their owners for some"
+                );
+                std::time::Instant::now()
+            });
+            if let Err(e) = self.with_session(|s| Box::pin(async move { s.want_space().await })) {
+                log::warn!("asking other nodes for space: {e}");
+            }
+            if since.elapsed() > SPACE_WAIT_MAX || !(self.session_alive)() {
+                log::warn!(
+                    "no node handed over space within {} s: ENOSPC",
+                    SPACE_WAIT_MAX.as_secs()
+                );
+                break Err(Errno::ENOSPC);
+            }
+            std::thread::sleep(SPACE_POLL);
+        };
+        if asked.is_some() {
+            if let Err(e) = self.with_session(|s| Box::pin(async move { s.space_found().await })) {
+                log::warn!("withdrawing the request for space: {e}");
+            }
+        }
+        r
+    }
+
+    /// Runs a session call on the pipeline's runtime.
+    pub(super) fn with_session<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(
+                Arc<Session>,
+            ) -> std::pin::Pin<
+                Box<dyn std::future::Future<Output = Result<T, MetaError>> + Send>,
+            > + Send
+            + 'static,
+    ) -> Result<T, MetaError> {
+        let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
+        run_read(&self.meta, move |_, _| f(session))
+    }
+
+    /// Free blocks on the whole device: this node's groups from its allocator, the
+    /// others' from the maps in etcd (what statfs shows).
+    pub(super) fn device_free_blocks(&self) -> Result<u64, Errno> {
+        let raw = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move {
+                let r = keys.free_maps();
+                Ok(kv.range(RangeRequest::range(r.start, r.end)).await?.kvs)
+            })
+        })
+        .map_err(|e| errno::meta(&e))?;
+        let stored: HashMap<Vec<u8>, Vec<u8>> =
+            raw.into_iter().map(|kv| (kv.key, kv.value)).collect();
+        let a = lock(&self.alloc);
+        let mut free = 0u64;
+        for g in 0..self.geometry.ag_count {
+            let ag = AgId(g);
+            let Some(span) = self.geometry.ag_extent(ag) else {
+                continue;
+            };
+            if a.owned().contains(&ag) {
+                free += a.group(ag).map_or(0, AgFreeMap::free_blocks);
+                continue;
+            }
+            let key = self.meta.keys().free_map(GroupId(g));
+            free += match stored.get(&key) {
+                None => span.len,
+                Some(b) => match AgFreeMap::decode(b, ag, span) {
+                    Ok(m) => m.free_blocks(),
+                    Err(e) => {
+                        log::error!(
+                            "corrupt free map at key {}: {e}",
+                            self.meta.keys().describe(&key)
+                        );
+                        0
+                    }
+                },
+            };
+        }
+        Ok(free)
+    }
+
+    /// The watch saw a request for space.
+    pub(super) fn space_wanted_by(&self, asker: meta::types::SessionId) {
+        let mine = lock(&self.session).as_ref().map(|s| s.id());
+        if mine != Some(asker) {
+            self.space_wanted.store(true, Ordering::Release);
+        }
+    }
+
+    /// Another node is out of space: hand back up to half the groups this node owns (the
+    /// emptiest first), never one holding blocks of writes not yet committed, and always
+    /// keeping one. Each goes with its final map (fenced on our ownership, so the next
+    /// owner loads exactly what we last allocated), then its ownership record is deleted.
+    pub(super) fn hand_back_groups(&self) {
+        // No claim runs meanwhile: one of a group being handed back (a free landing in it
+        // claims it again) would be answered "yours" and could load its map from etcd
+        // before the final map write landed, then hand out blocks that write allocated.
+        let _one = lock(&self.claiming);
+        let candidates: Vec<AgId> = {
+            let a = lock(&self.alloc);
+            let mut owned: Vec<(u64, AgId)> = a
+                .owned()
+                .iter()
+                .filter(|g| a.reserved_in(**g) == 0)
+                .map(|g| (a.group(*g).map_or(0, AgFreeMap::free_blocks), *g))
+                .filter(|(free, _)| *free > 0)
+                .collect();
+            owned.sort_unstable_by(|x, y| y.cmp(x));
+            let keep = a.owned().len().div_ceil(2).max(1);
+            let give = a.owned().len().saturating_sub(keep);
+            owned.into_iter().take(give).map(|(_, g)| g).collect()
+        };
+        for g in candidates {
+            let ticket = {
+                let mut a = lock(&self.alloc);
+                if a.disown(g).is_err() {
+                    continue;
+                }
+                let maps = encode_maps(&a, &BTreeSet::from([g]));
+                self.meta.submit_blocking(Mutation::FreeMaps {
+                    maps,
+                    released: Vec::new(),
+                })
+            };
+            if let Err(e) = ticket.and_then(|t| t.wait()) {
+                log::warn!("handing back group {}: writing its map: {e}", g.0);
+                let _ = lock(&self.alloc).own(g);
+                continue;
+            }
+            let gid = GroupId(g.0);
+            match self.with_session(move |s| Box::pin(async move { s.release_group(gid).await })) {
+                Ok(true) => log::info!("handed group {} back for another node", g.0),
+                Ok(false) => log::warn!("group {} was no longer ours to hand back", g.0),
+                Err(e) => log::warn!("handing back group {}: {e}", g.0),
+            }
+        }
+    }
+
+    /// Gives back the blocks of a commit that failed, unless it may have applied (etcd
+    /// unreachable: an extent may point at them now); those are leaked rather than risk
+    /// handing them out twice.
+    pub(super) fn unalloc_unless_maybe_applied(&self, allocated: &[FileExtent], e: Errno) {
+        if e == Errno::EIO {
+            log::warn!(
+                "keeping {} blocks of a commit whose outcome is unknown",
+                allocated.iter().map(|e| e.len / BLOCK_SIZE).sum::<u64>()
+            );
+        } else {
+            self.unalloc(allocated);
+        }
+    }
+
+    /// Gives back blocks allocated for a write that failed before its commit.
+    pub(super) fn unalloc(&self, allocated: &[FileExtent]) {
+        let mut a = lock(&self.alloc);
+        for e in allocated {
+            if let Err(err) = a.free(device_blocks(e)) {
+                log::error!("returning blocks of a failed write: {err}");
+            }
+        }
+    }
+}
+
+/// Whether the daemon of a session of this host still runs: its pid is an etcfs process,
+/// not a zombie, started no later than the session (a reused pid is a newer process).
+pub(super) fn daemon_alive(rec: &meta::codec::NodeRecord) -> bool {
+    let proc_dir = PathBuf::from(format!("/proc/{}", rec.pid));
+    // The program, by its executable's name or its argv[0] (comm is cut at 15 bytes and
+    // a helper such as mount.etcfs may have exec'd it): anything else is not the daemon.
+    let exe = std::fs::read_link(proc_dir.join("exe")).unwrap_or_default();
+    let argv0 = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
+    let argv0 = argv0.split(|&b| b == 0).next().unwrap_or_default();
+    let named_etcfs = |b: &[u8]| b.windows(5).any(|w| w == b"etcfs");
+    if !named_etcfs(exe.as_os_str().as_encoded_bytes()) && !named_etcfs(argv0) {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(proc_dir.join("stat")) else {
+        return false;
+    };
+    // Fields after the parenthesised name: state is the first, start time the 20th.
+    let Some(after) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return true;
+    };
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return false;
+    }
+    let started_ticks: Option<f64> = fields.get(19).and_then(|t| t.parse().ok());
+    let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    });
+    // /proc counts start times in USER_HZ, 100 on every Linux ABI.
+    let hz = 100.0;
+    match (started_ticks, boot) {
+        (Some(t), Some(b)) => b + t / hz <= rec.started.sec as f64 + 2.0,
+        _ => true,
+    }
+}
+
+/// Whether device range `inner` lies inside `outer`.
+pub(super) fn dev_range_within(
+    inner: &meta::pipeline::DevRange,
+    outer: &meta::pipeline::DevRange,
+) -> bool {
+    inner.dev_off >= outer.dev_off && inner.dev_off + inner.len <= outer.dev_off + outer.len
+}
+
+pub(super) fn encode_maps(a: &Allocator, groups: &BTreeSet<AgId>) -> Vec<(GroupId, Vec<u8>)> {
+    groups
+        .iter()
+        .filter_map(|g| a.encode_published(*g).map(|m| (GroupId(g.0), m)))
+        .collect()
+}
