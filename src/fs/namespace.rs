@@ -1,0 +1,183 @@
+//! Namespace changes: create, mknod/mkdir/symlink, link, unlink, rename, readlink. Each is
+//! one etcd mutation whose compares make it atomic against every other node's; its outcome
+//! is installed in this node's caches (read-your-writes) by `Inner::commit`.
+
+use super::*;
+
+impl Inner {
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one call per node kind; a struct would only rename the arguments"
+    )]
+    pub(super) fn make_node(
+        &self,
+        h: &abi::InHeader,
+        parent: u64,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u64,
+        symlink: Option<Vec<u8>>,
+    ) -> Result<(InodeAttr, i64), Errno> {
+        fusedev::names::check_entry_name(name)?;
+        if name == b"." || name == b".." {
+            return Err(Errno::EEXIST);
+        }
+        let mut perm = (mode & 0o7777) as u16;
+        let mut gid = h.gid;
+        // A set-group-id directory passes its group (and, to subdirectories, the bit) on.
+        // The cached attributes do: the type never changes, a removed parent fails the
+        // create's own compare, and a mode change by another node arrives by the watch.
+        let pattr = self.cached_attr(parent)?;
+        if pattr.kind != FileType::Directory {
+            return Err(Errno::ENOTDIR);
+        }
+        if pattr.nlink == 0 {
+            return Err(Errno::ENOENT);
+        }
+        if pattr.perm & 0o2000 != 0 {
+            gid = pattr.gid;
+            if kind == FileType::Directory {
+                perm |= 0o2000;
+            }
+        }
+        let out = self.commit(Mutation::Create {
+            parent: Ino(parent),
+            name: name.to_vec(),
+            inode: NewInode {
+                kind,
+                perm,
+                uid: h.uid,
+                gid,
+                rdev,
+                flags: 0,
+            },
+            symlink,
+        })?;
+        Ok((out.attr.ok_or(Errno::EIO)?, out.revision.0))
+    }
+
+    pub(super) fn unlink(&self, parent: u64, name: &[u8], dir: bool) -> Result<Done, Errno> {
+        fusedev::names::check_entry_name(name)?;
+        if dir && name == b"." {
+            return Err(Errno::EINVAL);
+        }
+        if dir && name == b".." {
+            return Err(Errno::ENOTEMPTY);
+        }
+        // What the caches know lets the pipeline commit without reading first; its
+        // compares catch a stale cache and the retry reads etcd.
+        let expect = match self.caches.lookup(parent, name) {
+            Lookup::Found(entry) => Some(Box::new(UnlinkExpect {
+                entry,
+                child: self.caches.attr(entry.ino.0),
+                parent: if dir { self.caches.attr(parent) } else { None },
+            })),
+            Lookup::Absent | Lookup::Unknown { .. } => None,
+        };
+        let m = Mutation::Unlink {
+            parent: Ino(parent),
+            name: name.to_vec(),
+            dir,
+            // Orphan the inode if any file is open here; a file that turns out not to be
+            // open is reclaimed right after (see after_commit).
+            keep_open: !dir && !self.files.is_empty(),
+            expect,
+        };
+        self.commit(m)?;
+        Ok(Done::Empty)
+    }
+
+    pub(super) fn rename(
+        &self,
+        olddir: u64,
+        name: &[u8],
+        newdir: u64,
+        newname: &[u8],
+        flags: u32,
+    ) -> Result<Done, Errno> {
+        fusedev::names::check_entry_name(name)?;
+        fusedev::names::check_entry_name(newname)?;
+        let mode = match flags {
+            0 => RenameMode::Replace,
+            abi::RENAME_NOREPLACE => RenameMode::NoReplace,
+            abi::RENAME_EXCHANGE => RenameMode::Exchange,
+            _ => return Err(Errno::EINVAL),
+        };
+        if [name, newname].iter().any(|n| *n == b"." || *n == b"..") {
+            return Err(Errno::EBUSY);
+        }
+        self.commit(Mutation::Rename {
+            src_parent: Ino(olddir),
+            src_name: name.to_vec(),
+            dst_parent: Ino(newdir),
+            dst_name: newname.to_vec(),
+            mode,
+            dst_keep_open: !self.files.is_empty(),
+        })?;
+        Ok(Done::Empty)
+    }
+
+    pub(super) fn link(&self, ino: u64, newparent: u64, name: &[u8]) -> Result<Done, Errno> {
+        fusedev::names::check_entry_name(name)?;
+        let out = self.commit(Mutation::Link {
+            ino: Ino(ino),
+            parent: Ino(newparent),
+            name: name.to_vec(),
+        })?;
+        let attr = out.attr.ok_or(Errno::EIO)?;
+        let (attr, blocks) = self.files.cached_attr(ino).unwrap_or((attr, None));
+        let blocks = match blocks {
+            Some(b) => Some(b),
+            None => self.file_blocks(&attr)?,
+        };
+        Ok(done_bytes(&self.entry_out(&attr, blocks)))
+    }
+
+    pub(super) fn readlink(&self, ino: u64) -> Result<Done, Errno> {
+        let t = self
+            .meta
+            .readlink(Ino(ino))
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        t.map(Done::Bytes).ok_or(Errno::EINVAL)
+    }
+
+    pub(super) fn create(
+        &self,
+        h: &abi::InHeader,
+        name: &[u8],
+        flags: u32,
+        mode: u32,
+    ) -> Result<Done, Errno> {
+        let (attr, rev) = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None)
+        {
+            Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
+                // Another creator won; behave as open(2) does.
+                let d = self.resolve_one(h.nodeid, name)?.ok_or(Errno::ENOENT)?;
+                self.get_attr_at(d.ino.0)?
+            }
+            r => r?,
+        };
+        if attr.kind == FileType::Directory {
+            return Err(Errno::EISDIR);
+        }
+        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone(), rev)? {
+            Done::Bytes(b) => b,
+            _ => return Err(Errno::EIO),
+        };
+        // The file may exist already (another creator won, or O_CREAT without O_EXCL),
+        // with blocks of its own.
+        let (attr, blocks) = self.files.cached_attr(attr.ino.0).unwrap_or((attr, None));
+        let blocks = match blocks {
+            Some(b) => Some(b),
+            None => self.file_blocks(&attr)?,
+        };
+        let mut b = vec![0u8; size_of::<EntryOut>() + size_of::<OpenOut>()];
+        let entry = self.entry_out(&attr, blocks);
+        let o = OpenOut::read_from(&open);
+        let n = reply::create(&mut b, &entry, &o).ok_or(Errno::EIO)?;
+        b.truncate(n);
+        Ok(Done::Bytes(b))
+    }
+}
