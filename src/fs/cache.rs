@@ -272,6 +272,8 @@ pub(crate) struct MissCounters {
     pub kernel_delete: AtomicU64,
     pub kernel_inval_inode: AtomicU64,
     pub kernel_inval_data: AtomicU64,
+    /// Epoch bumps: a namespace change that etcd refused against this node's view.
+    pub kernel_epochs: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -895,6 +897,7 @@ impl Caches {
             ("kernel_delete".into(), l(&n.kernel_delete)),
             ("kernel_inval_inode".into(), l(&n.kernel_inval_inode)),
             ("kernel_inval_data".into(), l(&n.kernel_inval_data)),
+            ("kernel_epochs".into(), l(&n.kernel_epochs)),
         ]
     }
 }

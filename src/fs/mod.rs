@@ -747,11 +747,46 @@ impl Inner {
                 Ok(out)
             }
             Err(e) => {
-                if matches!(e, MetaError::Unavailable(_)) {
+                match e {
                     // It may have been applied: what it touched is unknown now.
-                    ns.forget(&self.caches);
+                    MetaError::Unavailable(_) => ns.forget(&self.caches),
+                    // etcd contradicted what this node's caches said of the name (another
+                    // node created or removed it, and the watch has not told us yet).
+                    // The kernel's side is the dispatcher's (`Inner::names_refused`).
+                    MetaError::Exists | MetaError::NotFound => ns.forget(&self.caches),
+                    _ => {}
                 }
                 Err(errno::meta(&e))
+            }
+        }
+    }
+
+    /// A namespace change failed with `refused` (EEXIST for a create, ENOENT for a
+    /// removal, either for a rename): the kernel sent it only because its cached entry said
+    /// otherwise, so that entry is stale, and the caller's next lookup must see what etcd
+    /// just said (`mkdir -p` racing another node stats the name right after EEXIST). The
+    /// daemon's own entries went with the refused commit (`Inner::commit`). The kernel's
+    /// cannot go by INVAL_ENTRY, which waits for the directory's lock that this very request
+    /// holds, so every dentry of the mount is made stale with one epoch bump instead
+    /// (looked up again on next use, answered from the daemon's caches). It happens only
+    /// when two nodes race on one name.
+    fn names_refused<T>(&self, r: Result<T, Errno>, refused: &[Errno]) -> Result<T, Errno> {
+        if let Err(e) = &r {
+            if refused.contains(e) {
+                self.kernel_names_stale();
+            }
+        }
+        r
+    }
+
+    fn kernel_names_stale(&self) {
+        self.caches.n.kernel_epochs.fetch_add(1, Ordering::Relaxed);
+        let n = lock(&self.notifier)
+            .clone()
+            .or_else(|| PROCESS_NOTIFIER.get().cloned());
+        if let Some(n) = n {
+            if let Err(e) = n.inc_epoch() {
+                log::warn!("making the kernel's cached names stale: {e}");
             }
         }
     }
@@ -1789,9 +1824,9 @@ impl EtcFs {
                     if target.is_empty() || target.len() > meta::types::SYMLINK_LEN_MAX {
                         return Err(Errno::ENAMETOOLONG);
                     }
-                    let a = i
-                        .make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target))?
-                        .0;
+                    let made =
+                        i.make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target));
+                    let a = i.names_refused(made, &[Errno::EEXIST])?.0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
             }
@@ -1804,28 +1839,32 @@ impl EtcFs {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
                     let kind = file_type_of(mode)?;
-                    let a = i
-                        .make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None)?
-                        .0;
+                    let made =
+                        i.make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None);
+                    let a = i.names_refused(made, &[Errno::EEXIST])?.0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
             }
             Operation::Mkdir { name, mode, umask } => {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
-                    let a = i
-                        .make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None)?
-                        .0;
+                    let made =
+                        i.make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None);
+                    let a = i.names_refused(made, &[Errno::EEXIST])?.0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
             }
             Operation::Unlink { name } => {
                 let name = name.to_vec();
-                self.offload(ctx, out, move |i| i.unlink(ino, &name, false))
+                self.offload(ctx, out, move |i| {
+                    i.names_refused(i.unlink(ino, &name, false), &[Errno::ENOENT])
+                })
             }
             Operation::Rmdir { name } => {
                 let name = name.to_vec();
-                self.offload(ctx, out, move |i| i.unlink(ino, &name, true))
+                self.offload(ctx, out, move |i| {
+                    i.names_refused(i.unlink(ino, &name, true), &[Errno::ENOENT])
+                })
             }
             Operation::Rename {
                 newdir,
@@ -1835,12 +1874,15 @@ impl EtcFs {
             } => {
                 let (name, newname) = (name.to_vec(), newname.to_vec());
                 self.offload(ctx, out, move |i| {
-                    i.rename(ino, &name, newdir, &newname, flags)
+                    let r = i.rename(ino, &name, newdir, &newname, flags);
+                    i.names_refused(r, &[Errno::ENOENT, Errno::EEXIST])
                 })
             }
             Operation::Link { oldnodeid, name } => {
                 let name = name.to_vec();
-                self.offload(ctx, out, move |i| i.link(oldnodeid, ino, &name))
+                self.offload(ctx, out, move |i| {
+                    i.names_refused(i.link(oldnodeid, ino, &name), &[Errno::EEXIST])
+                })
             }
             Operation::Open { flags, .. } => {
                 self.offload(ctx, out, move |i| i.open_file(ino, flags, false))
@@ -1936,7 +1978,10 @@ impl EtcFs {
                 ..
             } => {
                 let name = name.to_vec();
-                self.offload(ctx, out, move |i| i.create(&h, &name, flags, mode & !umask))
+                self.offload(ctx, out, move |i| {
+                    let r = i.create(&h, &name, flags, mode & !umask);
+                    i.names_refused(r, &[Errno::EEXIST])
+                })
             }
             Operation::Fallocate {
                 offset,

@@ -1828,3 +1828,30 @@ fn a_local_session_is_dead_only_when_its_daemon_is_gone() {
         "no such pid"
     );
 }
+
+/// etcd refusing a namespace change against this node's view (EEXIST for a name the caches
+/// called absent, ENOENT for one they had) drops the daemon's entry and makes the kernel's
+/// dentries stale (one epoch bump), so the next lookup shows what etcd said. Changes that
+/// meet no other node bump nothing.
+#[test]
+fn a_refused_namespace_change_makes_cached_names_stale() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    a.mkdir(ROOT, b"mine");
+    assert_eq!(counter(&a, "kernel_epochs"), 0);
+    // Absent: a negative entry (node id 0) the kernel may cache.
+    assert_eq!(a.lookup(ROOT, b"x").nodeid, 0);
+    b.mkdir(ROOT, b"x");
+    let mkdir = Operation::Mkdir {
+        name: b"x",
+        mode: 0o755,
+        umask: 0o022,
+    };
+    assert_eq!(a.err(ROOT, mkdir), Errno::EEXIST);
+    assert_eq!(counter(&a, "kernel_epochs"), 1);
+    assert_ne!(a.lookup(ROOT, b"x").nodeid, 0);
+    b.ok(ROOT, Operation::Rmdir { name: b"x" });
+    assert_eq!(a.err(ROOT, Operation::Rmdir { name: b"x" }), Errno::ENOENT);
+    assert_eq!(a.lookup(ROOT, b"x").nodeid, 0);
+    assert!(counter(&a, "kernel_epochs") >= 1);
+}

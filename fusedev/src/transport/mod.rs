@@ -421,6 +421,13 @@ impl Notifier {
         self.send(&notify::inval_entry(parent, name).map_err(invalid)?)
     }
 
+    /// Makes every dentry the kernel caches for this mount stale at once (protocol 7.44):
+    /// each is looked up again on its next use. Takes no inode lock in the kernel, so it
+    /// may be sent while a request holds a directory's lock, unlike INVAL_ENTRY.
+    pub fn inc_epoch(&self) -> io::Result<bool> {
+        self.send(&notify::inc_epoch())
+    }
+
     /// Tells the kernel `name` in `parent`, which was `child`, is gone (drops the entry and
     /// reports the deletion to inotify watchers).
     pub fn delete(&self, parent: u64, child: u64, name: &[u8]) -> io::Result<bool> {
