@@ -383,6 +383,69 @@ fn two_nodes_writing_at_once_share_the_space() {
     a.stop();
 }
 
+/// A full device, then kill -9 while writers still hit ENOSPC: after the remount free space
+/// plus the files' blocks is the whole device, and all of it comes back when the files go.
+#[test]
+fn full_device_then_kill9_leaks_nothing() {
+    let Some(fs) = small_groups("full_device_then_kill9", 128 << 20, 4) else {
+        return;
+    };
+    let m = fs.mount("auto", &[]);
+    let (total, _) = statfs_blocks(&m.mnt);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = (0..3u64)
+        .map(|w| {
+            let p = m.path(&format!("fill{w}"));
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let mut enospc = 0;
+                let Ok(mut f) = File::create(&p) else {
+                    return 0;
+                };
+                let chunk = noise(256 << 10, w);
+                while !stop.load(Ordering::Relaxed) {
+                    match f.write_all(&chunk).and_then(|()| f.sync_data()) {
+                        Ok(()) => {}
+                        Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => enospc += 1,
+                        Err(_) => break,
+                    }
+                }
+                enospc
+            })
+        })
+        .collect();
+    let full = common::eventually(Duration::from_secs(30), || {
+        statfs_blocks(&m.mnt).1 * BLOCK < 4 * MIB as u64
+    });
+    assert!(full, "the writers did not fill the device");
+    thread::sleep(Duration::from_millis(500));
+    m.crash();
+    stop.store(true, Ordering::SeqCst);
+    let enospc: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert!(enospc > 0, "no writer saw ENOSPC");
+    let m = fs.mount("auto", &[]);
+    let (t, free) = statfs_blocks(&m.mnt);
+    let used = file_blocks(&m.mnt);
+    assert_eq!(
+        free + used,
+        t,
+        "after the crash: {free} free + {used} in files != {t}"
+    );
+    for e in fs::read_dir(&m.mnt).unwrap() {
+        fs::remove_file(e.unwrap().path()).unwrap();
+    }
+    let mut free = 0;
+    let back = common::eventually(Duration::from_secs(10), || {
+        free = statfs_blocks(&m.mnt).1;
+        free == total
+    });
+    assert!(
+        back,
+        "{free} of {total} blocks free after removing every file"
+    );
+    m.stop();
+}
+
 /// kill -9 and an immediate remount: the dead session's groups are free at once (its
 /// daemon is gone from this host), so writes need not wait for its lease.
 #[test]
