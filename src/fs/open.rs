@@ -1,0 +1,159 @@
+//! Open, close and fsync of files: the open-file table entry, the mtime of in-place
+//! overwrites written at FLUSH/RELEASE, pending writes committed at close and fsync, and
+//! the last close of an unlinked file reclaiming it.
+
+use super::*;
+
+impl Inner {
+    pub(super) fn open_file(&self, ino: u64, flags: u32, dir: bool) -> Result<Done, Errno> {
+        // A directory needs only its type; a file is read fresh (close-to-open: the size
+        // another node wrote before our open is seen).
+        let (attr, rev) = if dir {
+            (self.cached_attr(ino)?, 0)
+        } else {
+            self.get_attr_at(ino)?
+        };
+        self.open_with_attr(ino, flags, dir, attr, rev)
+    }
+
+    pub(super) fn open_with_attr(
+        &self,
+        ino: u64,
+        flags: u32,
+        dir: bool,
+        attr: InodeAttr,
+        rev: i64,
+    ) -> Result<Done, Errno> {
+        if dir {
+            if attr.kind != FileType::Directory {
+                return Err(Errno::ENOTDIR);
+            }
+            let mut dirs = lock(&self.dirs);
+            if dirs.len() >= DIR_HANDLES_MAX {
+                return Err(Errno::EMFILE);
+            }
+            let fh = self.new_fh();
+            dirs.insert(fh, DirHandle::default());
+            return Ok(done_bytes(&OpenOut {
+                fh,
+                open_flags: 0,
+                backing_id: 0,
+            }));
+        }
+        if attr.kind == FileType::Directory {
+            return Err(Errno::EISDIR);
+        }
+        let fh = self.new_fh();
+        let mut open_flags = 0;
+        if attr.kind == FileType::Regular {
+            let st = self.files.open(ino, attr.clone(), rev)?;
+            let trunc = flags & libc::O_TRUNC as u32 != 0
+                && flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+            if trunc && attr.size != 0 {
+                if let Err(e) = self.truncate(&st, 0, SetAttr::default()) {
+                    self.release_file(ino);
+                    return Err(e);
+                }
+            }
+            // This node's own writes keep the page cache right; other nodes' writes are
+            // the cluster issue's (their locks invalidate it).
+            open_flags |= abi::FOPEN_KEEP_CACHE;
+        }
+        Ok(done_bytes(&OpenOut {
+            fh,
+            open_flags,
+            backing_id: 0,
+        }))
+    }
+
+    /// Drops one open of a regular file; the last close of an orphan deletes it.
+    pub(super) fn release_file(&self, ino: u64) {
+        // Pending writes commit while the file is still in the table (a failed attempt
+        // stays pending for the next trigger); an orphan's are dropped at its last close.
+        let dirty = self.files.is_dirty(ino);
+        if dirty && !self.files.get(ino).is_some_and(|st| st.lock().orphaned) {
+            if let Err(e) = self.sync_pending(ino) {
+                log::warn!("committing pending writes of inode {ino} at release: {e}");
+            }
+        }
+        if let Some(st) = self.files.close(ino) {
+            // The last close: nothing retries a change still pending after this.
+            let mut f = st.lock();
+            for _ in 0..PENDING_RETRIES_MAX {
+                if f.pending.is_none() || f.orphaned {
+                    break;
+                }
+                match self.commit_pending_locked(&st, &mut f) {
+                    Ok(outs) => {
+                        drop(f);
+                        outs.iter().for_each(|o| self.after_commit_unlocked(o));
+                        f = st.lock();
+                    }
+                    Err(e) => log::warn!("committing pending writes of inode {ino}: {e}"),
+                }
+            }
+            if let Some(p) = f.pending.take() {
+                self.drop_pending(ino, &mut f, p);
+            }
+            let orphan = f.orphaned;
+            drop(f);
+            if orphan {
+                st.lock().mtime_dirty = None;
+                self.reclaim_orphan(Ino(ino));
+            } else {
+                self.persist_mtime(&st);
+            }
+        }
+    }
+
+    /// Writes a pending in-place-overwrite mtime, holding the file's lock across the commit
+    /// so that it is ordered with the file's writes and truncates (a FLUSH racing an
+    /// extending WRITE on another fd of the file).
+    pub(super) fn persist_mtime(&self, st: &FileState) {
+        let mut f = st.lock();
+        let Some(t) = f.mtime_dirty.take() else {
+            return;
+        };
+        let m = Mutation::SetAttr {
+            ino: Ino(st.ino),
+            set: SetAttr {
+                mtime: Some(TimeSet::At(t)),
+                ..SetAttr::default()
+            },
+        };
+        match self.commit_locked(&mut f, m) {
+            Ok(out) => {
+                drop(f);
+                self.after_commit_unlocked(&out);
+            }
+            Err(Errno::ENOENT) => {}
+            Err(e) => log::warn!("writing mtime of inode {}: {e}", st.ino),
+        }
+    }
+
+    /// Writes a pending in-place-overwrite mtime now (FLUSH, FSYNC).
+    pub(super) fn flush_mtime(&self, ino: u64) {
+        if let Some(st) = self.files.get(ino) {
+            self.persist_mtime(&st);
+        }
+    }
+
+    pub(super) fn fsync(&self, ino: u64, dir: bool) -> Result<Done, Errno> {
+        if dir {
+            let t = self
+                .meta
+                .flush(Some(Ino(ino)))
+                .map_err(|e| errno::meta(&e))?;
+            t.wait().map_err(|e| errno::meta(&e))?;
+            return Ok(Done::Empty);
+        }
+        // Pending writes first (their own flush, then their commit); the flush after is
+        // for the in-place overwrites since, which commit nothing.
+        self.sync_pending(ino)?;
+        self.dev.io().flush().map_err(|e| errno::dev(&e))?;
+        self.flush_mtime(ino);
+        let t = self.meta.flush(None).map_err(|e| errno::meta(&e))?;
+        t.wait().map_err(|e| errno::meta(&e))?;
+        Ok(Done::Empty)
+    }
+}
