@@ -1,0 +1,354 @@
+//! Dispatch: every FUSE request to its handler. What needs nothing from etcd is answered
+//! on the core (READ of a file whose map is cached, whole-block overwrites, GETATTR of an
+//! open file, FORGET); everything else goes to a waiter thread (`pool`), or runs inline
+//! when the context cannot defer (tests, the sideband reader).
+
+use super::*;
+
+impl EtcFs {
+    /// Runs `f` on a waiter when the reply can be deferred, else inline.
+    fn offload<F>(&self, ctx: &RequestCtx<'_>, out: &mut [u8], f: F) -> Reply
+    where
+        F: FnOnce(&Inner) -> Result<Done, Errno> + Send + 'static,
+    {
+        match ctx.defer() {
+            Some(d) => {
+                self.pool.run(d, f);
+                Reply::Deferred
+            }
+            None => to_reply(f(&self.inner), out),
+        }
+    }
+
+    fn dispatch(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
+        let h = req.header;
+        let ino = h.nodeid;
+        match req.op {
+            Operation::Lookup { name } => {
+                // Answered on the core when the caches know the name (and its inode).
+                if let Some(r) = self.inner.lookup_local(ino, name) {
+                    return to_reply(r, out);
+                }
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.lookup(ino, &name))
+            }
+            // No per-inode table to shrink: see the module docs.
+            Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
+            Operation::Getattr { .. } => {
+                let local = match self.inner.files.try_open_attr(ino) {
+                    OpenAttr::Attr(a, b) => Some((a, b)),
+                    // Never the caches' attributes for an open file: they lack its
+                    // pending writes.
+                    OpenAttr::Busy => None,
+                    OpenAttr::NotOpen => self.inner.caches.attr(ino).map(|a| (a, None)),
+                };
+                if let Some((a, b)) = local {
+                    if let Some(b) = self.inner.blocks_local(&a, b) {
+                        return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
+                    }
+                }
+                self.offload(ctx, out, move |i| i.getattr(ino))
+            }
+            Operation::Setattr(a) => self.offload(ctx, out, move |i| i.setattr(ino, &a)),
+            Operation::Readlink => self.offload(ctx, out, move |i| i.readlink(ino)),
+            Operation::Symlink { name, target } => {
+                let (name, target) = (name.to_vec(), target.to_vec());
+                self.offload(ctx, out, move |i| {
+                    if target.is_empty() || target.len() > meta::types::SYMLINK_LEN_MAX {
+                        return Err(Errno::ENAMETOOLONG);
+                    }
+                    let made =
+                        i.make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target));
+                    let a = i.names_refused(made, &[Errno::EEXIST])?.0;
+                    Ok(done_bytes(&i.entry_out(&a, None)))
+                })
+            }
+            Operation::Mknod {
+                name,
+                mode,
+                rdev,
+                umask,
+            } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    let kind = file_type_of(mode)?;
+                    let made =
+                        i.make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None);
+                    let a = i.names_refused(made, &[Errno::EEXIST])?.0;
+                    Ok(done_bytes(&i.entry_out(&a, None)))
+                })
+            }
+            Operation::Mkdir { name, mode, umask } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    let made =
+                        i.make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None);
+                    let a = i.names_refused(made, &[Errno::EEXIST])?.0;
+                    Ok(done_bytes(&i.entry_out(&a, None)))
+                })
+            }
+            Operation::Unlink { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    i.names_refused(i.unlink(ino, &name, false), &[Errno::ENOENT])
+                })
+            }
+            Operation::Rmdir { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    i.names_refused(i.unlink(ino, &name, true), &[Errno::ENOENT])
+                })
+            }
+            Operation::Rename {
+                newdir,
+                name,
+                newname,
+                flags,
+            } => {
+                let (name, newname) = (name.to_vec(), newname.to_vec());
+                self.offload(ctx, out, move |i| {
+                    let r = i.rename(ino, &name, newdir, &newname, flags);
+                    i.names_refused(r, &[Errno::ENOENT, Errno::EEXIST])
+                })
+            }
+            Operation::Link { oldnodeid, name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    i.names_refused(i.link(oldnodeid, ino, &name), &[Errno::EEXIST])
+                })
+            }
+            Operation::Open { flags, .. } => {
+                self.offload(ctx, out, move |i| i.open_file(ino, flags, false))
+            }
+            Operation::Opendir { .. } => self.offload(ctx, out, move |i| i.open_file(ino, 0, true)),
+            Operation::Read { offset, size, .. } => {
+                // Fast path: the extent map is cached and nobody holds the file.
+                let counters = &self.inner.data_counters;
+                if let Some(r) = self.read_fast(ino, offset, size, out) {
+                    counters.reads_on_core.fetch_add(1, Ordering::Relaxed);
+                    return r;
+                }
+                counters.reads_on_waiter.fetch_add(1, Ordering::Relaxed);
+                let out_len = out.len();
+                self.offload(ctx, out, move |i| i.read(ino, offset, size, out_len))
+            }
+            Operation::Write {
+                offset,
+                data,
+                write_flags,
+                ..
+            } => {
+                let kill = write_flags & abi::FUSE_WRITE_KILL_SUIDGID != 0;
+                let counters = &self.inner.data_counters;
+                if ctx.io_plans() {
+                    if let Some(r) = self.write_fast(ino, offset, data.len(), kill) {
+                        counters.writes_on_core.fetch_add(1, Ordering::Relaxed);
+                        return r;
+                    }
+                }
+                counters.writes_on_waiter.fetch_add(1, Ordering::Relaxed);
+                // The data is copied once, here, out of the transport's buffer; the
+                // waiter builds the aligned device image from it.
+                let data = data.to_vec();
+                self.offload(ctx, out, move |i| i.write(ino, offset, &data, kill))
+            }
+            Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
+            Operation::Release { .. } => self.offload(ctx, out, move |i| {
+                i.release_file(ino);
+                Ok(Done::Empty)
+            }),
+            Operation::Releasedir { fh } => {
+                self.inner.release_dir(fh);
+                Reply::Bytes(0)
+            }
+            Operation::Flush { .. } => {
+                if !self.inner.files.has_dirty_state(ino) {
+                    return Reply::Bytes(0);
+                }
+                self.offload(ctx, out, move |i| {
+                    // close(2) reports a failed commit of pending writes.
+                    let r = i.sync_pending(ino);
+                    i.flush_mtime(ino);
+                    r.map(|()| Done::Empty)
+                })
+            }
+            Operation::Fsync { .. } => self.offload(ctx, out, move |i| i.fsync(ino, false)),
+            Operation::Fsyncdir { .. } => self.offload(ctx, out, move |i| i.fsync(ino, true)),
+            Operation::Syncfs => self.offload(ctx, out, move |i| {
+                let mut r = Ok(());
+                for f in i.files.all() {
+                    r = r.and(i.sync_pending(f));
+                    i.flush_mtime(f);
+                }
+                r.and(i.fsync(FUSE_ROOT_ID, false))
+            }),
+            Operation::Setxattr { name, value, flags } => {
+                let (name, value) = (name.to_vec(), value.to_vec());
+                self.offload(ctx, out, move |i| i.setxattr(ino, &name, &value, flags))
+            }
+            Operation::Getxattr { name, size } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.getxattr(ino, &name, size))
+            }
+            Operation::Listxattr { size } => {
+                self.offload(ctx, out, move |i| i.listxattr(ino, size))
+            }
+            Operation::Removexattr { name } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| i.removexattr(ino, &name))
+            }
+            Operation::Readdir {
+                fh, offset, size, ..
+            } => self.offload(ctx, out, move |i| i.readdir(ino, fh, offset, size, false)),
+            Operation::Readdirplus {
+                fh, offset, size, ..
+            } => self.offload(ctx, out, move |i| i.readdir(ino, fh, offset, size, true)),
+            Operation::Create {
+                name,
+                flags,
+                mode,
+                umask,
+                ..
+            } => {
+                let name = name.to_vec();
+                self.offload(ctx, out, move |i| {
+                    let r = i.create(&h, &name, flags, mode & !umask);
+                    i.names_refused(r, &[Errno::EEXIST])
+                })
+            }
+            Operation::Fallocate {
+                offset,
+                length,
+                mode,
+                ..
+            } => self.offload(ctx, out, move |i| i.fallocate(ino, offset, length, mode)),
+            Operation::Lseek { offset, whence, .. } => {
+                self.offload(ctx, out, move |i| i.lseek(ino, offset, whence))
+            }
+            Operation::Interrupt { .. } | Operation::NotifyReply { .. } => Reply::None,
+            Operation::Destroy => {
+                self.destroy();
+                Reply::Bytes(0)
+            }
+            // ENOSYS, remembered by the kernel: permission checks are the kernel's
+            // (default_permissions), STATX falls back to GETATTR, COPY_FILE_RANGE to
+            // read+write, TMPFILE to create+unlink; locks stay node-local for now.
+            Operation::Access { .. }
+            | Operation::Statx { .. }
+            | Operation::CopyFileRange { .. }
+            | Operation::Tmpfile { .. }
+            | Operation::Getlk { .. }
+            | Operation::Setlk { .. }
+            | Operation::Setlkw { .. }
+            | Operation::Poll { .. }
+            | Operation::Ioctl { .. }
+            | Operation::Bmap { .. }
+            | Operation::SetupMapping
+            | Operation::RemoveMapping
+            | Operation::Init(_)
+            | Operation::Unknown { .. } => Reply::Error(Errno::ENOSYS),
+        }
+    }
+
+    /// READ on the core when the file's map is cached and its lock is free: no etcd.
+    fn read_fast(&self, ino: u64, off: u64, size: u32, out: &mut [u8]) -> Option<Reply> {
+        let st = self.inner.files.get(ino)?;
+        let f = st.try_lock_briefly()?;
+        let fsize = f.attr.size;
+        if off >= fsize || size == 0 {
+            return Some(Reply::Bytes(0));
+        }
+        let (a_off, a_len) = aligned_range(off, u64::from(size), fsize);
+        let extents = files::overlapping(f.extents.as_ref()?, a_off, a_len).to_vec();
+        let io = st.begin_io(&f);
+        drop(f);
+        Some(to_reply(
+            self.inner
+                .read_done(&extents, fsize, off, size, out.len())
+                .map(|d| d.held_by(io)),
+            out,
+        ))
+    }
+}
+
+impl EtcFs {
+    /// WRITE on the core, from the request's buffer straight to the device, when it is a
+    /// whole-block overwrite of written blocks inside EOF of a file whose map is cached and
+    /// whose lock is free: nothing but mtime changes (written at FLUSH/FSYNC/RELEASE), so
+    /// no etcd, no copy and no waiter. Everything else takes [`Inner::write`].
+    fn write_fast(&self, ino: u64, off: u64, len: usize, kill_suid: bool) -> Option<Reply> {
+        let fd = self.inner.dev.fd()?;
+        if !(self.inner.session_alive)() {
+            return None;
+        }
+        let st = self.inner.files.get(ino)?;
+        let mut f = st.try_lock_briefly()?;
+        let (segments, io) = plan_overwrite(&st, &mut f, off, len, kill_suid, fd)?;
+        let hold = Hold::new(io);
+        drop(f);
+        Some(Reply::Write(WritePlan {
+            segments,
+            written: u32::try_from(len).ok()?,
+            hold: Some(hold),
+        }))
+    }
+}
+
+impl Handler for EtcFs {
+    fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
+        self.dispatch(ctx, req, out)
+    }
+
+    fn counters(&self) -> Vec<(String, u64)> {
+        let m = self.inner.meta.stats();
+        let mut c: Vec<(String, u64)> = vec![
+            ("etcd_txns_committed".into(), m.txns_committed),
+            ("etcd_mutations_committed".into(), m.mutations_committed),
+            ("etcd_mutations_in_txns".into(), m.mutations_in_txns),
+            ("etcd_mutations_per_txn_max".into(), m.mutations_per_txn_max),
+            ("etcd_mutations_failed".into(), m.mutations_failed),
+            ("etcd_compare_failures".into(), m.compare_failures),
+            ("etcd_retries".into(), m.retries),
+            ("etcd_read_txns".into(), m.read_txns),
+            ("etcd_txn_errors".into(), m.txn_errors),
+            ("dir_times_coalesced".into(), m.touches_coalesced),
+            ("dir_times_written".into(), m.touches_written),
+            ("inode_blocks_reserved".into(), m.ino_blocks_reserved),
+            ("pipeline_pending".into(), m.pending),
+            ("etcd_txns_in_flight".into(), m.txns_in_flight),
+        ];
+        // Mutations per transaction as a histogram: buckets 1, 2-3, 4-7, ... 128+.
+        const BUCKETS: [&str; 8] = [
+            "1", "2-3", "4-7", "8-15", "16-31", "32-63", "64-127", "128+",
+        ];
+        for (name, n) in BUCKETS.iter().zip(m.mutations_per_txn_hist) {
+            c.push((format!("etcd_txns_with_mutations_{name}"), n));
+        }
+        c.extend(self.inner.caches.counters());
+        let d = &self.inner.data_counters;
+        for (name, n) in [
+            ("data_reads_on_core", &d.reads_on_core),
+            ("data_reads_on_waiter", &d.reads_on_waiter),
+            ("data_writes_on_core", &d.writes_on_core),
+            ("data_writes_on_waiter", &d.writes_on_waiter),
+            ("frees_unlogged", &d.frees_unlogged),
+        ] {
+            c.push((name.into(), n.load(Ordering::Relaxed)));
+        }
+        let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
+        c.push(("own_revisions_forgotten".into(), forgotten));
+        c.push(("own_revisions_waited_out".into(), waited_out));
+        c
+    }
+
+    fn destroy(&self) {
+        self.pool.drain();
+        self.inner.shutdown();
+        if let Some(h) = lock(&self.housekeeping).take() {
+            let _ = h.join();
+        }
+        if let Some(h) = lock(&self.invalidation).take() {
+            let _ = h.join();
+        }
+    }
+}
