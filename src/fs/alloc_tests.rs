@@ -6,58 +6,18 @@
 use std::{
     collections::BTreeMap,
     sync::{Arc, Barrier, Mutex},
-    time::Duration,
 };
 
-use fusedev::{
-    abi::{EntryOut, FromBytes, OpenOut, WriteOut, FUSE_ROOT_ID},
-    request::{self, Operation, Request},
-    server::{Handler, Reply, RequestCtx},
-};
-use meta::{
-    clock::SystemClock, keys::Keyspace, kv::KvBackend, model::MemEtcd, pipeline::Pipeline,
-    session::SessionConfig, types::Ino, types::SessionId,
-};
+use fusedev::abi::FUSE_ROOT_ID;
+use meta::{clock::SystemClock, model::MemEtcd, types::Ino};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
-use super::{connect_backend, mkfs_on, pipeline_config, CacheOpts, Dev, EtcFs};
+use super::{tests::Requests, EtcFs};
 use crate::data::{device::mem::MemDev, plan::FileExtent, BLOCK_SIZE};
 
 /// 32 MiB with 64-block (256 KiB) groups: about 120 groups, 2 claimed at mount.
 const DEV_BYTES: u64 = 32 << 20;
-const AG_BLOCKS: u64 = 64;
 const WRITERS: usize = 4;
-
-fn mounted(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
-    let clock = Arc::new(SystemClock::new());
-    let connect = || connect_backend(kv.clone() as Arc<dyn KvBackend>);
-    let p = Pipeline::start(
-        connect(),
-        Keyspace::new("t").unwrap(),
-        SessionId(u64::MAX),
-        clock.clone(),
-        pipeline_config(),
-    )
-    .unwrap();
-    let path = std::path::Path::new("/dev/mem0");
-    mkfs_on(&p.client(), &mut dev.clone(), path, "t", AG_BLOCKS, false).unwrap();
-    let p = Pipeline::start_deferred(
-        connect(),
-        Keyspace::new("t").unwrap(),
-        clock,
-        pipeline_config(),
-    )
-    .unwrap();
-    let geometry = super::check_filesystem(&p.client(), &Dev::Mem(dev.clone())).unwrap();
-    let s = p
-        .register_session_with(
-            &SessionConfig::new("test"),
-            Some(super::group_layout(&geometry)),
-        )
-        .unwrap();
-    let opts = CacheOpts::uniform(Duration::from_secs(1));
-    EtcFs::open_with(p, s, Dev::Mem(dev.clone()), &opts, 8).unwrap()
-}
 
 /// One thread's connection: its own reply buffer and request ids.
 struct Client<'a> {
@@ -66,86 +26,9 @@ struct Client<'a> {
     unique: u64,
 }
 
-impl Client<'_> {
-    fn ok(&mut self, nodeid: u64, op: Operation<'_>) -> Vec<u8> {
-        let what = format!("{op:?}");
-        let req = Request::new(self.unique, nodeid, op);
-        self.unique += 1;
-        let mut bytes = Vec::new();
-        req.encode(&mut bytes);
-        let decoded = request::decode(&bytes).expect("test request decodes");
-        match self.fs.handle(&RequestCtx::new(0), &decoded, &mut self.out) {
-            Reply::Bytes(n) => self.out[..n].to_vec(),
-            other => panic!("{what}: got {other:?}"),
-        }
-    }
-
-    fn create(&mut self, name: &[u8]) -> (u64, u64) {
-        let b = self.ok(
-            FUSE_ROOT_ID,
-            Operation::Create {
-                name,
-                flags: libc::O_RDWR as u32,
-                mode: 0o644,
-                umask: 0o022,
-                open_flags: 0,
-            },
-        );
-        let e = EntryOut::read_from_prefix(&b).unwrap().0;
-        let o = OpenOut::read_from_prefix(&b[size_of::<EntryOut>()..])
-            .unwrap()
-            .0;
-        (e.nodeid, o.fh)
-    }
-
-    fn write(&mut self, ino: u64, fh: u64, offset: u64, data: &[u8]) {
-        let op = Operation::Write {
-            fh,
-            offset,
-            data,
-            write_flags: 0,
-            flags: 0,
-        };
-        let w = WriteOut::read_from_prefix(&self.ok(ino, op)).unwrap().0;
-        assert_eq!(w.size as usize, data.len());
-    }
-
-    fn read(&mut self, ino: u64, fh: u64, offset: u64, size: u32) -> Vec<u8> {
-        let op = Operation::Read {
-            fh,
-            offset,
-            size,
-            flags: 0,
-        };
-        self.ok(ino, op)
-    }
-
-    fn fsync(&mut self, ino: u64, fh: u64) {
-        let op = Operation::Fsync {
-            fh,
-            datasync: false,
-        };
-        self.ok(ino, op);
-    }
-
-    fn fallocate(&mut self, ino: u64, fh: u64, offset: u64, length: u64) {
-        let op = Operation::Fallocate {
-            fh,
-            offset,
-            length,
-            mode: 0,
-        };
-        self.ok(ino, op);
-    }
-
-    fn release(&mut self, ino: u64, fh: u64) {
-        let op = Operation::Release {
-            fh,
-            flags: 0,
-            release_flags: 0,
-            lock_owner: 0,
-        };
-        self.ok(ino, op);
+impl Requests for Client<'_> {
+    fn parts(&mut self) -> (&EtcFs, &mut Vec<u8>, &mut u64) {
+        (self.fs, &mut self.out, &mut self.unique)
     }
 }
 
@@ -195,7 +78,7 @@ fn writer(fs: &EtcFs, seed: u64, id: usize, owners: &Mutex<BTreeMap<u64, u64>>, 
         unique: 1,
     };
     let name = format!("w{id}");
-    let (ino, fh) = c.create(name.as_bytes());
+    let (ino, fh) = c.create(FUSE_ROOT_ID, name.as_bytes());
     let mut model: Vec<u8> = Vec::new();
     go.wait();
     for step in 0..120 {
@@ -309,7 +192,9 @@ fn check_committed(fs: &EtcFs, seed: u64) {
 fn run_seed(seed: u64) {
     let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
     let dev = MemDev::new(DEV_BYTES);
-    let fs = mounted(&kv, &dev);
+    // The same 64-block groups as the other fs tests, on a device twice their size.
+    super::tests::format(&kv, &dev, false).unwrap();
+    let fs = super::tests::mount(&kv, &dev);
     let owners = Mutex::new(BTreeMap::new());
     let go = Barrier::new(WRITERS);
     std::thread::scope(|s| {

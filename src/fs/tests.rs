@@ -39,7 +39,11 @@ struct Fx {
     unique: u64,
 }
 
-fn format(kv: &Arc<MemEtcd>, dev: &MemDev, force: bool) -> anyhow::Result<super::MkfsReport> {
+pub(super) fn format(
+    kv: &Arc<MemEtcd>,
+    dev: &MemDev,
+    force: bool,
+) -> anyhow::Result<super::MkfsReport> {
     let clock = Arc::new(SystemClock::new());
     let p = Pipeline::start(
         connect_backend(kv.clone() as Arc<dyn KvBackend>),
@@ -59,7 +63,7 @@ fn format(kv: &Arc<MemEtcd>, dev: &MemDev, force: bool) -> anyhow::Result<super:
     )
 }
 
-fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
+pub(super) fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
     mount_with(kv, dev, &CacheOpts::uniform(Duration::from_secs(1)))
 }
 
@@ -96,22 +100,30 @@ impl Fx {
             unique: 1,
         }
     }
+}
+
+/// FUSE requests encoded, decoded and handled as the kernel would send them, on one
+/// connection (its own reply buffer and request ids): every test's way into the filesystem.
+pub(super) trait Requests {
+    /// The filesystem, the reply buffer and the next request id.
+    fn parts(&mut self) -> (&EtcFs, &mut Vec<u8>, &mut u64);
 
     fn call(&mut self, nodeid: u64, op: Operation<'_>) -> Reply {
-        let mut req = Request::new(self.unique, nodeid, op);
+        let (fs, out, unique) = self.parts();
+        let mut req = Request::new(*unique, nodeid, op);
         req.header.uid = 1000;
         req.header.gid = 100;
-        self.unique += 1;
+        *unique += 1;
         let mut bytes = Vec::new();
         req.encode(&mut bytes);
         let decoded = request::decode(&bytes).expect("test request decodes");
-        self.fs.handle(&RequestCtx::new(0), &decoded, &mut self.out)
+        fs.handle(&RequestCtx::new(0), &decoded, out)
     }
 
     fn ok(&mut self, nodeid: u64, op: Operation<'_>) -> Vec<u8> {
         let d = format!("{op:?}");
         match self.call(nodeid, op) {
-            Reply::Bytes(n) => self.out[..n].to_vec(),
+            Reply::Bytes(n) => self.parts().1[..n].to_vec(),
             other => panic!("{d}: expected bytes, got {other:?}"),
         }
     }
@@ -255,6 +267,30 @@ impl Fx {
             ..SetattrIn::default()
         };
         parse(&self.ok(ino, Operation::Setattr(a)))
+    }
+
+    fn fsync(&mut self, ino: u64, fh: u64) {
+        let op = Operation::Fsync {
+            fh,
+            datasync: false,
+        };
+        self.ok(ino, op);
+    }
+
+    fn fallocate(&mut self, ino: u64, fh: u64, offset: u64, length: u64) {
+        let op = Operation::Fallocate {
+            fh,
+            offset,
+            length,
+            mode: 0,
+        };
+        self.ok(ino, op);
+    }
+}
+
+impl Requests for Fx {
+    fn parts(&mut self) -> (&EtcFs, &mut Vec<u8>, &mut u64) {
+        (&self.fs, &mut self.out, &mut self.unique)
     }
 }
 
