@@ -129,6 +129,36 @@ fn file_blocks(dir: &Path) -> u64 {
     sum
 }
 
+/// Free space plus the files' blocks is the whole device: nothing leaked, nothing counted
+/// twice.
+fn assert_space_accounted(m: &common::Daemon, when: &str) {
+    let (total, free) = statfs_blocks(&m.mnt);
+    let used = file_blocks(&m.mnt);
+    assert_eq!(
+        free + used,
+        total,
+        "{when}: {free} free + {used} in files != {total} blocks: {} leaked",
+        total as i64 - (free + used) as i64
+    );
+}
+
+/// Removes every file; all of the device's space must come back.
+fn remove_all_and_expect_all_free(m: &common::Daemon) {
+    for e in fs::read_dir(&m.mnt).unwrap() {
+        fs::remove_file(e.unwrap().path()).unwrap();
+    }
+    let (total, mut free) = statfs_blocks(&m.mnt);
+    let back = common::eventually(Duration::from_secs(10), || {
+        free = statfs_blocks(&m.mnt).1;
+        free == total
+    });
+    assert!(
+        back,
+        "after removing every file {free} of {total} blocks are free; daemon log:\n{}",
+        m.log_text()
+    );
+}
+
 /// Issue 12's reproduction: two cp loops at once, three rounds; after every round each copy
 /// so far is read back from the device (O_DIRECT) and compared with its source, and again
 /// after a remount.
@@ -167,13 +197,7 @@ fn two_copiers_never_share_blocks() {
     let m = fs.mount("auto", &[]);
     let bad = bad_copies(&m, 3, &sources);
     assert!(bad.is_empty(), "after a remount, copies differ: {bad:?}");
-    // Nothing leaked and nothing counted twice: free plus the files' blocks is everything.
-    let (total, free) = statfs_blocks(&m.mnt);
-    assert_eq!(
-        free + file_blocks(&m.mnt),
-        total,
-        "statfs free + files' blocks"
-    );
+    assert_space_accounted(&m, "after the copies");
     m.stop();
 }
 
@@ -251,29 +275,9 @@ fn kill9_remount_loop_keeps_fsynced_data_and_space() {
                 want,
             );
         }
-        let (t, free) = statfs_blocks(&m.mnt);
-        let used = file_blocks(&m.mnt);
-        assert_eq!(
-            free + used,
-            t,
-            "cycle {cycle}: {free} free + {used} in files != {t} blocks: {} leaked",
-            t as i64 - (free + used) as i64
-        );
+        assert_space_accounted(&m, &format!("cycle {cycle}"));
     }
-    // The space comes back when the files go.
-    for e in fs::read_dir(&m.mnt).unwrap() {
-        fs::remove_file(e.unwrap().path()).unwrap();
-    }
-    let mut free = 0;
-    let back = common::eventually(Duration::from_secs(10), || {
-        free = statfs_blocks(&m.mnt).1;
-        free == total
-    });
-    assert!(
-        back,
-        "after removing every file {free} of {total} blocks are free; daemon log:\n{}",
-        m.log_text()
-    );
+    remove_all_and_expect_all_free(&m);
     m.stop();
 }
 
@@ -286,14 +290,7 @@ fn enospc_only_when_the_device_is_full() {
         return;
     };
     let a = fs.mount("auto", &[]);
-    let b_mnt = fs.base.join("b");
-    fs::create_dir(&b_mnt).unwrap();
-    let b = common::Daemon::spawn(
-        &fs.mount_args("auto", &[]),
-        &b_mnt,
-        &fs.base.join("b.log"),
-        "auto",
-    );
+    let b = fs.mount_node("b", "auto", &[]);
     let (total, _) = statfs_blocks(&a.mnt);
     // A takes about 80% of the device, then frees it: its groups stay its own.
     let big = noise(200 * MIB, 7);
@@ -346,14 +343,7 @@ fn two_nodes_writing_at_once_share_the_space() {
         return;
     };
     let a = fs.mount("auto", &[]);
-    let b_mnt = fs.base.join("b");
-    fs::create_dir(&b_mnt).unwrap();
-    let b = common::Daemon::spawn(
-        &fs.mount_args("auto", &[]),
-        &b_mnt,
-        &fs.base.join("b.log"),
-        "auto",
-    );
+    let b = fs.mount_node("b", "auto", &[]);
     let files: Vec<(PathBuf, Vec<u8>)> = (0..4u64)
         .map(|i| {
             let m = if i % 2 == 0 { &a } else { &b };
@@ -391,7 +381,6 @@ fn full_device_then_kill9_leaks_nothing() {
         return;
     };
     let m = fs.mount("auto", &[]);
-    let (total, _) = statfs_blocks(&m.mnt);
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = (0..3u64)
         .map(|w| {
@@ -424,25 +413,8 @@ fn full_device_then_kill9_leaks_nothing() {
     let enospc: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum();
     assert!(enospc > 0, "no writer saw ENOSPC");
     let m = fs.mount("auto", &[]);
-    let (t, free) = statfs_blocks(&m.mnt);
-    let used = file_blocks(&m.mnt);
-    assert_eq!(
-        free + used,
-        t,
-        "after the crash: {free} free + {used} in files != {t}"
-    );
-    for e in fs::read_dir(&m.mnt).unwrap() {
-        fs::remove_file(e.unwrap().path()).unwrap();
-    }
-    let mut free = 0;
-    let back = common::eventually(Duration::from_secs(10), || {
-        free = statfs_blocks(&m.mnt).1;
-        free == total
-    });
-    assert!(
-        back,
-        "{free} of {total} blocks free after removing every file"
-    );
+    assert_space_accounted(&m, "after the crash");
+    remove_all_and_expect_all_free(&m);
     m.stop();
 }
 

@@ -16,14 +16,7 @@ use common::{Daemon, TestFs};
 fn two_nodes(test: &str) -> Option<(TestFs, Daemon, Daemon)> {
     let fs = TestFs::new_or_skip(test, None)?;
     let a = fs.mount("auto", &[]);
-    let b_mnt = fs.base.join("b");
-    fs::create_dir(&b_mnt).unwrap();
-    let b = Daemon::spawn(
-        &fs.mount_args("auto", &[]),
-        &b_mnt,
-        &fs.base.join("b.log"),
-        "auto",
-    );
+    let b = fs.mount_node("b", "auto", &[]);
     Some((fs, a, b))
 }
 

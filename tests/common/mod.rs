@@ -704,6 +704,19 @@ impl TestFs {
         a
     }
 
+    /// Another node: a daemon of its own (its own session) mounting this filesystem on
+    /// `<base>/<name>`, logging to `<base>/<name>.log`.
+    pub(crate) fn mount_node(&self, name: &str, transport: &str, extra: &[&str]) -> Daemon {
+        let mnt = self.base.join(name);
+        fs::create_dir_all(&mnt).expect("create the node's mountpoint");
+        Daemon::spawn(
+            &self.mount_args(transport, extra),
+            &mnt,
+            &self.base.join(format!("{name}.log")),
+            transport,
+        )
+    }
+
     /// Mounts this filesystem in the foreground on its mount point (the same one every
     /// time, so a remount shows the same paths) and checks the transport serving it.
     pub(crate) fn mount(&self, transport: &str, extra: &[&str]) -> Daemon {
