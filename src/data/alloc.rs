@@ -406,6 +406,10 @@ impl Allocator {
     pub(crate) fn encode_published(&self, ag: AgId) -> Option<Vec<u8>> {
         let map = self.groups.get(&ag)?;
         let span = map.span;
+        if within(&self.reserved, span).next().is_none() {
+            // The common case at a commit: nothing else pending in the group, no copy.
+            return Some(map.encode());
+        }
         let mut published = map.clone();
         for e in within(&self.reserved, span) {
             // Reserved blocks are used in the loaded map (checked when reserved).

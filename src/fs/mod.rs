@@ -167,6 +167,8 @@ const PENDING_RETRIES_MAX: u32 = 3;
 const SPACE_WAIT_MAX: Duration = Duration::from_secs(15);
 /// How often a waiting allocation tries to claim a group again.
 const SPACE_POLL: Duration = Duration::from_millis(100);
+/// How often a waiting allocation checks the device's free space and renews its request.
+const SPACE_ASK_EVERY: Duration = Duration::from_secs(1);
 /// Largest file size (as ext4 with 4 KiB blocks: 16 TiB).
 const FILE_SIZE_MAX: u64 = 16 << 40;
 /// The statfs inode count: inode numbers are 64-bit and never reused; report 2^32.

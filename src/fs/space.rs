@@ -351,7 +351,9 @@ impl Inner {
         blocks: u64,
         goal: Option<BlockNo>,
     ) -> Result<Vec<Extent>, Errno> {
+        // When this allocation first asked other nodes for space, and last asked.
         let mut asked: Option<std::time::Instant> = None;
+        let mut asked_last: Option<std::time::Instant> = None;
         let r = loop {
             let r = lock(&self.alloc).alloc(blocks, goal);
             let (wanted, free) = match r {
@@ -368,22 +370,28 @@ impl Inner {
                     break Err(Errno::ENOSPC);
                 }
             }
-            // Every group has an owner. Is the space there at all?
-            match self.device_free_blocks() {
-                Ok(total) if total >= wanted => {}
-                Ok(_) => break Err(Errno::ENOSPC),
-                Err(e) => break Err(e),
+            // Every group has an owner. Once a second: is the space there at all, and the
+            // request renewed (an owner that handed back too little hears it again); in
+            // between, only the claim above, which sees a group handed back.
+            if asked_last.is_none_or(|t| t.elapsed() >= SPACE_ASK_EVERY) {
+                match self.device_free_blocks() {
+                    Ok(total) if total >= wanted => {}
+                    Ok(_) => break Err(Errno::ENOSPC),
+                    Err(e) => break Err(e),
+                }
+                if asked_last.is_none() {
+                    log::info!(
+                        "out of space in this node's groups ({wanted} blocks wanted): asking \
+                         their owners for some"
+                    );
+                }
+                asked_last = Some(std::time::Instant::now());
+                if let Err(e) = self.with_session(|s| Box::pin(async move { s.want_space().await }))
+                {
+                    log::warn!("asking other nodes for space: {e}");
+                }
             }
-            let since = *asked.get_or_insert_with(|| {
-                log::info!(
-                    "out of space in this node's groups ({wanted} blocks wanted): asking \
-                     their owners for some"
-                );
-                std::time::Instant::now()
-            });
-            if let Err(e) = self.with_session(|s| Box::pin(async move { s.want_space().await })) {
-                log::warn!("asking other nodes for space: {e}");
-            }
+            let since = *asked.get_or_insert_with(std::time::Instant::now);
             if since.elapsed() > SPACE_WAIT_MAX || !(self.session_alive)() {
                 log::warn!(
                     "no node handed over space within {} s: ENOSPC",
