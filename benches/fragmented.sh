@@ -18,6 +18,8 @@ EXTENTS=30000
 RUNS=3
 FIO_SECS=5
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=benches/lib.sh
+. "$ROOT/benches/lib.sh"
 ETCFS=${CARGO_TARGET_DIR:-$ROOT/target}/release/etcfs
 while [ $# -gt 0 ]; do
 	case "$1" in
@@ -46,12 +48,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-etcd --name frag --data-dir "$WORK/etcd" --listen-client-urls "$EP" --advertise-client-urls "$EP" \
-	--listen-peer-urls "http://127.0.0.1:$((PORT + 1))" \
-	--initial-advertise-peer-urls "http://127.0.0.1:$((PORT + 1))" \
-	--initial-cluster "frag=http://127.0.0.1:$((PORT + 1))" >"$WORK/etcd.log" 2>&1 &
-etcd_pid=$!
-for _ in $(seq 100); do etcdctl --endpoints "$EP" endpoint health >/dev/null 2>&1 && break; sleep 0.1; done
+start_etcd frag "$WORK" "$PORT"
+etcd_pid=$ETCD_PID
 
 truncate -s 2G "$IMG"
 "$ETCFS" mkfs --etcd "$EP" --device "$IMG" --prefix frag >/dev/null

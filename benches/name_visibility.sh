@@ -15,6 +15,8 @@ set -euo pipefail
 
 NAMES=200
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=benches/lib.sh
+. "$ROOT/benches/lib.sh"
 ETCFS=${CARGO_TARGET_DIR:-$ROOT/target}/release/etcfs
 while [ $# -gt 0 ]; do
 	case "$1" in
@@ -40,12 +42,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-etcd --name names --data-dir "$WORK/etcd" --listen-client-urls "$EP" --advertise-client-urls "$EP" \
-	--listen-peer-urls "http://127.0.0.1:$((PORT + 1))" \
-	--initial-advertise-peer-urls "http://127.0.0.1:$((PORT + 1))" \
-	--initial-cluster "names=http://127.0.0.1:$((PORT + 1))" >"$WORK/etcd.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do etcdctl --endpoints "$EP" endpoint health >/dev/null 2>&1 && break; sleep 0.1; done
+start_etcd names "$WORK" "$PORT"
+pids+=("$ETCD_PID")
 truncate -s 1G "$IMG"
 "$ETCFS" mkfs --etcd "$EP" --device "$IMG" --prefix names >/dev/null
 for n in a b; do

@@ -620,13 +620,7 @@ fn mount_on_missing_directory_fails() {
     let base = temp_base("missing");
     let missing = base.join("does-not-exist-here");
     for foreground in [true, false] {
-        let mut cmd = Command::new(ETCFS);
-        cmd.args(["mount", "--memfs", "--transport", "devfuse"]);
-        if foreground {
-            cmd.arg("--foreground");
-        } else {
-            cmd.arg("--log-file").arg(base.join("daemon.log"));
-        }
+        let mut cmd = common::memfs_mount_command(foreground, &base.join("daemon.log"));
         let (out, in_time) = run_bounded(cmd.arg(&missing), DAEMON_DEADLINE);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(

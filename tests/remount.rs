@@ -264,13 +264,7 @@ fn mount_over_dead_mount_names_the_fix() {
     kill_leaving_dead_mount(&mut dead);
     let log = mnt.with_file_name("detached.log");
     for foreground in [true, false] {
-        let mut cmd = Command::new(ETCFS);
-        cmd.args(["mount", "--memfs", "--transport", "devfuse"]);
-        if foreground {
-            cmd.arg("--foreground");
-        } else {
-            cmd.arg("--log-file").arg(&log);
-        }
+        let mut cmd = common::memfs_mount_command(foreground, &log);
         expect_dead_mount_error(&format!("foreground={foreground}"), cmd.arg(&mnt), &mnt);
     }
     // The command the error names clears it, and the mount point takes a new mount.

@@ -195,6 +195,19 @@ pub(crate) fn run_bounded(cmd: &mut Command, timeout: Duration) -> (Output, bool
     )
 }
 
+/// `etcfs mount --memfs --transport devfuse`, in the foreground or detached with its log
+/// at `log`; the caller adds the mount point.
+pub(crate) fn memfs_mount_command(foreground: bool, log: &Path) -> Command {
+    let mut cmd = Command::new(ETCFS);
+    cmd.args(["mount", "--memfs", "--transport", "devfuse"]);
+    if foreground {
+        cmd.arg("--foreground");
+    } else {
+        cmd.arg("--log-file").arg(log);
+    }
+    cmd
+}
+
 /// Runs a command that must succeed within 60 s; returns its stdout.
 pub(crate) fn run_ok(cmd: &mut Command) -> String {
     let (out, in_time) = run_bounded(cmd, Duration::from_secs(60));
