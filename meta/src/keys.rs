@@ -27,6 +27,10 @@
 //! <p>/W<session:8>             Owner {session}         the asker's    a node out of space in its
 //!                                                                     groups: owners hand some
 //!                                                                     back (Session::want_space)
+//! <p>/K<ino:8><session:8>      CacheLock {mode}        the holder's   cluster cache lock of a
+//!                                                                     regular file (cachelock.rs)
+//! <p>/Q<ino:8><session:8>      CacheLock {mode}        the asker's    a node waiting for that
+//!                                                                     lock: holders give way
 //! ```
 //!
 //! Why this shape:
@@ -72,6 +76,8 @@ mod tag {
     pub(super) const FREE_MAP: u8 = b'F';
     pub(super) const RELEASED: u8 = b'R';
     pub(super) const SPACE_WANTED: u8 = b'W';
+    pub(super) const CACHE_LOCK: u8 = b'K';
+    pub(super) const CACHE_WANT: u8 = b'Q';
 }
 
 /// The default filesystem prefix.
@@ -119,6 +125,10 @@ pub enum KeyKind {
     Released(u64),
     /// `W<session>`
     SpaceWanted(SessionId),
+    /// `K<ino><session>`
+    CacheLock(Ino, SessionId),
+    /// `Q<ino><session>`
+    CacheWant(Ino, SessionId),
 }
 
 /// Error for an unusable `--prefix`.
@@ -346,6 +356,27 @@ impl Keyspace {
         self.key_u64(tag::SPACE_WANTED, session.0)
     }
 
+    fn ino_session(&self, tag: u8, ino: Ino, session: SessionId) -> Vec<u8> {
+        let mut k = self.key_u64(tag, ino.0);
+        k.extend_from_slice(&session.0.to_be_bytes());
+        k
+    }
+
+    /// `K<ino><session>`: that session holds the cache lock of `ino`.
+    pub fn cache_lock(&self, ino: Ino, session: SessionId) -> Vec<u8> {
+        self.ino_session(tag::CACHE_LOCK, ino, session)
+    }
+
+    /// Every holder of the cache lock of `ino`.
+    pub fn cache_locks(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::CACHE_LOCK, ino.0)
+    }
+
+    /// `Q<ino><session>`: that session waits for the cache lock of `ino`.
+    pub fn cache_want(&self, ino: Ino, session: SessionId) -> Vec<u8> {
+        self.ino_session(tag::CACHE_WANT, ino, session)
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -377,6 +408,15 @@ impl Keyspace {
                 let (i, o) = (body.get(..8)?, body.get(8..)?);
                 KeyKind::Extent(Ino(u64_at(i)?), u64_at(o)?)
             }
+            tag::CACHE_LOCK | tag::CACHE_WANT => {
+                let (i, o) = (body.get(..8)?, body.get(8..)?);
+                let (i, o) = (Ino(u64_at(i)?), SessionId(u64_at(o)?));
+                if t == tag::CACHE_LOCK {
+                    KeyKind::CacheLock(i, o)
+                } else {
+                    KeyKind::CacheWant(i, o)
+                }
+            }
             tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             tag::FREE_MAP => KeyKind::FreeMap(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             _ => return None,
@@ -402,6 +442,8 @@ impl Keyspace {
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
             Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
             Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
+            Some(KeyKind::CacheLock(i, s)) => format!("{p}K {i} {s}"),
+            Some(KeyKind::CacheWant(i, s)) => format!("{p}Q {i} {s}"),
             None => escape(key),
         }
     }
@@ -491,6 +533,14 @@ mod tests {
             (
                 k.space_wanted(SessionId(6)),
                 KeyKind::SpaceWanted(SessionId(6)),
+            ),
+            (
+                k.cache_lock(Ino(7), SessionId(8)),
+                KeyKind::CacheLock(Ino(7), SessionId(8)),
+            ),
+            (
+                k.cache_want(Ino(7), SessionId(8)),
+                KeyKind::CacheWant(Ino(7), SessionId(8)),
             ),
         ];
         for (key, kind) in cases {

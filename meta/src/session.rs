@@ -129,6 +129,11 @@ impl Session {
         self.lease
     }
 
+    /// This session's handle on the cluster cache locks (`crate::cachelock`).
+    pub fn cache_locks(&self) -> crate::cachelock::CacheLocks {
+        crate::cachelock::CacheLocks::new(self.kv.clone(), self.keys.clone(), self.id, self.lease.0)
+    }
+
     /// False once the lease is known lost (expired or unrenewable past its TTL): stop
     /// allocating and writing to the device.
     pub fn is_alive(&self) -> bool {

@@ -36,6 +36,7 @@ async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, in
             new_ino: ino,
             block_size: 4096,
             groups: None,
+            lock_at_create: true,
         };
         match plan(&m, &snap, &ctx) {
             Planned::Ready(p) => {

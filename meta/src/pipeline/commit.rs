@@ -557,6 +557,7 @@ impl Committer {
                 new_ino: w.ino,
                 block_size: self.cfg.block_size,
                 groups: self.cfg.groups,
+                lock_at_create: self.cfg.lock_at_create,
             };
             match plan(&w.m, &w.snap, &ctx) {
                 Planned::Ready(p) => {

@@ -75,6 +75,9 @@ pub struct Config {
     pub reads_queued_max: usize,
     /// Where the allocation groups lie (released ranges are logged per group).
     pub groups: Option<GroupLayout>,
+    /// A create of a regular file takes its cache lock for the session (under the
+    /// session's lease: only for a registered session, whose id is its lease).
+    pub lock_at_create: bool,
 }
 
 impl Default for Config {
@@ -93,6 +96,7 @@ impl Default for Config {
             block_size: 4096,
             reads_queued_max: 4096,
             groups: None,
+            lock_at_create: false,
         }
     }
 }
@@ -460,6 +464,7 @@ impl Pipeline {
                             if groups.is_some() {
                                 c2.groups = groups;
                             }
+                            c2.lock_at_create = true;
                             id
                         }
                         Err(_) => {

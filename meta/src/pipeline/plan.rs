@@ -18,7 +18,7 @@ use crate::{
     },
     error::MetaError,
     keys::Keyspace,
-    kv::{Compare, KeyValue, RangeRequest, RangeResponse, TxnOp},
+    kv::{Compare, KeyValue, PutOp, RangeRequest, RangeResponse, TxnOp},
     pipeline::mutation::{
         DevRange, GroupLayout, Mutation, Outcome, RenameMode, TimeSet, UnlinkExpect, XattrMode,
     },
@@ -110,6 +110,8 @@ pub struct PlanCtx<'a> {
     pub block_size: u64,
     /// Where allocation groups lie (released ranges are logged per group); `None`: one.
     pub groups: Option<GroupLayout>,
+    /// A created regular file's cache lock is taken in its create (`Config::lock_at_create`).
+    pub lock_at_create: bool,
 }
 
 /// A mutation's share of a transaction.
@@ -280,6 +282,9 @@ impl<'a> P<'a> {
             } else {
                 self.drop_extents(ino, 0)?;
             }
+            // Every node's cache lock of it goes too (theirs are only caches of a file
+            // that no longer exists).
+            self.delete_range(k.cache_locks(ino), false);
         }
         self.delete(k.inode(ino));
         self.delete_range(k.xattrs(ino), false);
@@ -622,6 +627,18 @@ fn plan_create(
             kind: new.kind,
         },
     );
+    if new.kind == FileType::Regular && p.ctx.lock_at_create {
+        // The creator holds the new file's cache lock from the start (under its lease,
+        // which is the session id): writing it costs no round trip of its own.
+        p.plan.ops.push(TxnOp::Put(PutOp {
+            key: k.cache_lock(ino, p.ctx.session),
+            value: crate::cachelock::CacheLock {
+                mode: crate::cachelock::LockMode::Exclusive,
+            }
+            .encode(),
+            lease: i64::try_from(p.ctx.session.0).unwrap_or(0),
+        }));
+    }
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(attr);
     Ok(())

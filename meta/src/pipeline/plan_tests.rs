@@ -24,6 +24,7 @@ struct World {
     kv: MemEtcd,
     keys: Keyspace,
     next_ino: u64,
+    session: SessionId,
 }
 
 const NOW: Timespec = Timespec::new(1_700_000_000, 5);
@@ -70,10 +71,13 @@ impl World {
             ..Default::default()
         };
         kv.txn(t).await.unwrap();
+        // A real lease: a create puts the new file's cache lock under it.
+        let lease = kv.lease_grant(60).await.unwrap().id;
         World {
             kv,
             keys,
             next_ino: 2000,
+            session: SessionId(u64::try_from(lease).unwrap()),
         }
     }
 
@@ -81,7 +85,8 @@ impl World {
         PlanCtx {
             keys: &self.keys,
             now: NOW,
-            session: SessionId(9),
+            session: self.session,
+            lock_at_create: true,
             new_ino: ino,
             block_size: 4096,
             groups: Some(GroupLayout {
@@ -235,7 +240,7 @@ async fn create_is_blind_one_txn() {
     let p = p.unwrap();
     assert_eq!(rounds, 0, "a create needs no reads");
     assert_eq!(p.compares.len(), 2);
-    assert_eq!(p.ops.len(), 2);
+    assert_eq!(p.ops.len(), 3, "inode, dentry and the creator's cache lock");
     assert_eq!(
         p.touch,
         vec![(Ino::ROOT, true)],
@@ -385,7 +390,7 @@ async fn unlink_open_file_leaves_orphan_then_reclaim() {
     assert_eq!(w.inode(f).await.unwrap().nlink, 0);
     let orphans = crate::reader::orphans(&w.kv, &w.keys, 10).await.unwrap();
     assert_eq!(orphans.len(), 1);
-    assert_eq!((orphans[0].ino, orphans[0].session), (f, SessionId(9)));
+    assert_eq!((orphans[0].ino, orphans[0].session), (f, w.session));
     let relink = Mutation::Link {
         ino: f,
         parent: Ino::ROOT,

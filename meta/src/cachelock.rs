@@ -1,0 +1,326 @@
+//! The etcd side of the cluster cache locks: one lock per regular file, shared (a node may
+//! cache the file's pages, attributes and extent map) or exclusive (it may also write and
+//! keep writes behind). The filesystem side, which decides when to take and give them up,
+//! is `src/fs/locks.rs`; its module docs describe the whole protocol.
+//!
+//! ```text
+//! K<ino><session> = mode   under the holder's lease: dies with the holder
+//! Q<ino><session> = mode   under the asker's lease: "I wait for this mode"
+//! ```
+//!
+//! * **Acquire**: read `K<ino>*` at revision R; when no other session holds a conflicting
+//!   mode, one transaction puts `K<ino><me>` and deletes `Q<ino><me>`, on the compare that
+//!   no key of `K<ino>*` was written after R (a new holder, or a holder that changed its
+//!   mode, makes it fail, and the read is redone). Otherwise `Q<ino><me>` is put (again,
+//!   so that each attempt is an event the holders' watches see) and the caller waits for
+//!   a change of `K<ino>*`.
+//! * **Release** deletes `K<ino><me>`; **downgrade** (exclusive to shared) overwrites it.
+//!   Neither needs a compare: only the holder writes its own key.
+//! * A session that dies loses its keys with its lease; whoever waited sees the deletes.
+
+use std::sync::Arc;
+
+use crate::{
+    codec::{decode_at, Record},
+    error::MetaError,
+    keys::{KeyKind, Keyspace},
+    kv::{Compare, CompareOp, CompareTarget, KvBackend, PutOp, RangeRequest, Txn, TxnOp},
+    types::{Ino, SessionId},
+};
+
+/// How a node holds a file's cache lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum LockMode {
+    /// Cache reads: pages, attributes, extent map.
+    Shared,
+    /// Also write, and keep writes behind.
+    Exclusive,
+}
+
+impl LockMode {
+    /// Whether a holder in `self` must give way to another node asking for `other`.
+    pub fn conflicts(self, other: LockMode) -> bool {
+        self == LockMode::Exclusive || other == LockMode::Exclusive
+    }
+}
+
+/// The value of `K` and `Q` keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLock {
+    /// The mode held (K) or wanted (Q).
+    pub mode: LockMode,
+}
+
+impl Record for CacheLock {
+    const WHAT: &'static str = "cache lock";
+    fn validate(&self) -> Result<(), &'static str> {
+        Ok(())
+    }
+    fn write(&self, w: &mut Vec<u8>) {
+        w.push(match self.mode {
+            LockMode::Shared => 1,
+            LockMode::Exclusive => 2,
+        });
+    }
+    fn read(r: &mut crate::codec::Reader<'_>) -> Result<Self, &'static str> {
+        let mode = match r.u8()? {
+            1 => LockMode::Shared,
+            2 => LockMode::Exclusive,
+            _ => return Err("unknown lock mode"),
+        };
+        Ok(CacheLock { mode })
+    }
+}
+
+/// Sessions among `holders` that `me` must wait for to hold `want`. A record that does not
+/// decode counts as an exclusive hold: a lock nobody can read is not a lock to ignore.
+pub fn conflicting(
+    holders: &[(SessionId, Option<LockMode>)],
+    me: SessionId,
+    want: LockMode,
+) -> Vec<SessionId> {
+    holders
+        .iter()
+        .filter(|(s, m)| *s != me && m.unwrap_or(LockMode::Exclusive).conflicts(want))
+        .map(|(s, _)| *s)
+        .collect()
+}
+
+/// What an acquire attempt found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Acquired {
+    /// Held now, from this store revision on.
+    Granted { revision: i64 },
+    /// These sessions hold conflicting modes; our wait (`Q`) is recorded.
+    Busy { holders: Vec<SessionId> },
+}
+
+/// One session's handle on the cache locks.
+#[derive(Clone)]
+pub struct CacheLocks {
+    kv: Arc<dyn KvBackend>,
+    keys: Keyspace,
+    me: SessionId,
+    lease: i64,
+}
+
+/// Attempts of the read-then-compare acquire before reporting `Busy` with nobody named
+/// (a hot lock changing hands under us: the caller waits for the next change).
+const ACQUIRE_TRIES: usize = 4;
+
+impl CacheLocks {
+    /// The cache locks of session `me`, whose lease is `lease`.
+    pub fn new(kv: Arc<dyn KvBackend>, keys: Keyspace, me: SessionId, lease: i64) -> Self {
+        CacheLocks {
+            kv,
+            keys,
+            me,
+            lease,
+        }
+    }
+
+    /// This session.
+    pub fn session(&self) -> SessionId {
+        self.me
+    }
+
+    /// Takes (or upgrades to) `want` on `ino` when no other session holds a conflicting
+    /// mode; otherwise records that we wait.
+    pub async fn acquire(&self, ino: Ino, want: LockMode) -> Result<Acquired, MetaError> {
+        let range = self.keys.cache_locks(ino);
+        let mine = self.keys.cache_lock(ino, self.me);
+        let wait_key = self.keys.cache_want(ino, self.me);
+        let value = CacheLock { mode: want }.encode();
+        for _ in 0..ACQUIRE_TRIES {
+            let r = self
+                .kv
+                .range(RangeRequest::range(range.start.clone(), range.end.clone()))
+                .await?;
+            let holders: Vec<(SessionId, Option<LockMode>)> = r
+                .kvs
+                .iter()
+                .filter_map(|kv| match self.keys.parse(&kv.key) {
+                    Some(KeyKind::CacheLock(_, s)) => {
+                        let m = decode_at::<CacheLock>(&self.keys, &kv.key, &kv.value);
+                        if let Err(e) = &m {
+                            log::warn!("{e}: counted as an exclusive lock");
+                        }
+                        Some((s, m.ok().map(|c| c.mode)))
+                    }
+                    _ => None,
+                })
+                .collect();
+            let busy = conflicting(&holders, self.me, want);
+            if !busy.is_empty() {
+                self.put(wait_key, value).await?;
+                return Ok(Acquired::Busy { holders: busy });
+            }
+            let t = Txn {
+                compares: vec![Compare {
+                    key: range.start.clone(),
+                    range_end: Some(range.end.clone()),
+                    op: CompareOp::Less,
+                    target: CompareTarget::ModRevision(r.revision + 1),
+                }],
+                success: vec![
+                    TxnOp::Put(PutOp {
+                        key: mine.clone(),
+                        value: value.clone(),
+                        lease: self.lease,
+                    }),
+                    TxnOp::delete(wait_key.clone()),
+                ],
+                failure: vec![],
+            };
+            let resp = self.kv.txn(t).await?;
+            if resp.succeeded {
+                return Ok(Acquired::Granted {
+                    revision: resp.revision,
+                });
+            }
+        }
+        self.put(wait_key, value).await?;
+        Ok(Acquired::Busy {
+            holders: Vec::new(),
+        })
+    }
+
+    /// Gives the lock up (nothing if not held).
+    pub async fn release(&self, ino: Ino) -> Result<(), MetaError> {
+        let t = Txn {
+            compares: vec![],
+            success: vec![TxnOp::delete(self.keys.cache_lock(ino, self.me))],
+            failure: vec![],
+        };
+        self.kv.txn(t).await?;
+        Ok(())
+    }
+
+    /// Exclusive to shared, keeping the caches: the holder's writes are all in etcd and
+    /// on the device by now.
+    pub async fn downgrade(&self, ino: Ino) -> Result<(), MetaError> {
+        let value = CacheLock {
+            mode: LockMode::Shared,
+        }
+        .encode();
+        self.put(self.keys.cache_lock(ino, self.me), value).await
+    }
+
+    /// Stops waiting (an acquire that gave up).
+    pub async fn withdraw(&self, ino: Ino) -> Result<(), MetaError> {
+        let t = Txn {
+            compares: vec![],
+            success: vec![TxnOp::delete(self.keys.cache_want(ino, self.me))],
+            failure: vec![],
+        };
+        self.kv.txn(t).await?;
+        Ok(())
+    }
+
+    async fn put(&self, key: Vec<u8>, value: Vec<u8>) -> Result<(), MetaError> {
+        let t = Txn {
+            compares: vec![],
+            success: vec![TxnOp::Put(PutOp {
+                key,
+                value,
+                lease: self.lease,
+            })],
+            failure: vec![],
+        };
+        self.kv.txn(t).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{clock::ManualClock, model::MemEtcd};
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(f)
+    }
+
+    #[test]
+    fn modes_conflict_as_readers_and_writers() {
+        use LockMode::*;
+        assert!(!Shared.conflicts(Shared));
+        assert!(Shared.conflicts(Exclusive));
+        assert!(Exclusive.conflicts(Shared));
+        let me = SessionId(1);
+        let holders = [
+            (SessionId(1), Some(Exclusive)),
+            (SessionId(2), Some(Shared)),
+            (SessionId(3), None),
+        ];
+        assert_eq!(conflicting(&holders, me, Shared), vec![SessionId(3)]);
+        assert_eq!(
+            conflicting(&holders, me, Exclusive),
+            vec![SessionId(2), SessionId(3)]
+        );
+    }
+
+    #[test]
+    fn two_sessions_share_then_one_waits_for_exclusive() {
+        let clock = Arc::new(ManualClock::new(crate::types::Timespec { sec: 1_000_000, nsec: 0 }));
+        let etcd = Arc::new(MemEtcd::new(clock));
+        let kv: Arc<dyn KvBackend> = etcd.clone();
+        let keys = Keyspace::new("t").expect("prefix");
+        let (a, b) = block_on(async {
+            let la = kv.lease_grant(10).await.expect("lease").id;
+            let lb = kv.lease_grant(10).await.expect("lease").id;
+            (
+                CacheLocks::new(kv.clone(), keys.clone(), SessionId(la as u64), la),
+                CacheLocks::new(kv.clone(), keys.clone(), SessionId(lb as u64), lb),
+            )
+        });
+        let ino = Ino(42);
+        block_on(async {
+            use LockMode::*;
+            assert!(matches!(
+                a.acquire(ino, Shared).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            assert!(matches!(
+                b.acquire(ino, Shared).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            // An upgrade waits for the other reader and says so with a Q record.
+            assert_eq!(
+                a.acquire(ino, Exclusive).await.expect("acquire"),
+                Acquired::Busy {
+                    holders: vec![b.session()]
+                }
+            );
+            let q = kv
+                .range(RangeRequest::key(keys.cache_want(ino, a.session())))
+                .await
+                .expect("range");
+            assert_eq!(q.kvs.len(), 1);
+            b.release(ino).await.expect("release");
+            assert!(matches!(
+                a.acquire(ino, Exclusive).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            // Granting cleared the wait record; the other reader now waits.
+            let q = kv
+                .range(RangeRequest::key(keys.cache_want(ino, a.session())))
+                .await
+                .expect("range");
+            assert!(q.kvs.is_empty());
+            assert!(matches!(
+                b.acquire(ino, Shared).await,
+                Ok(Acquired::Busy { .. })
+            ));
+            a.downgrade(ino).await.expect("downgrade");
+            assert!(matches!(
+                b.acquire(ino, Shared).await,
+                Ok(Acquired::Granted { .. })
+            ));
+        });
+    }
+}
