@@ -274,6 +274,11 @@ pub(crate) struct MissCounters {
     pub kernel_inval_data: AtomicU64,
     /// Epoch bumps: a namespace change that etcd refused against this node's view.
     pub kernel_epochs: AtomicU64,
+    /// Cluster cache locks taken from etcd, waits for another node, given up, downgraded.
+    pub cache_locks_taken: AtomicU64,
+    pub cache_lock_waits: AtomicU64,
+    pub cache_locks_released: AtomicU64,
+    pub cache_locks_downgraded: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -898,6 +903,10 @@ impl Caches {
             ("kernel_inval_inode".into(), l(&n.kernel_inval_inode)),
             ("kernel_inval_data".into(), l(&n.kernel_inval_data)),
             ("kernel_epochs".into(), l(&n.kernel_epochs)),
+            ("cache_locks_taken".into(), l(&n.cache_locks_taken)),
+            ("cache_lock_waits".into(), l(&n.cache_lock_waits)),
+            ("cache_locks_released".into(), l(&n.cache_locks_released)),
+            ("cache_locks_downgraded".into(), l(&n.cache_locks_downgraded)),
         ]
     }
 }

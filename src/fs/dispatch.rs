@@ -4,6 +4,13 @@
 //! when the context cannot defer (tests, the sideband reader).
 
 use super::*;
+use meta::cachelock::LockMode;
+
+/// The bytes whose kernel pages a READ or WRITE holds locked while it waits for the
+/// file's lock: none for direct I/O, which bypasses the page cache.
+fn cached_io(flags: u32, off: u64, len: u64) -> Option<locks::Range> {
+    (flags & libc::O_DIRECT as u32 == 0).then(|| (off, off.saturating_add(len)))
+}
 
 impl EtcFs {
     /// Runs `f` on a waiter when the reply can be deferred, else inline.
@@ -42,14 +49,22 @@ impl EtcFs {
                     OpenAttr::Busy => None,
                     OpenAttr::NotOpen => self.inner.caches.attr(ino).map(|a| (a, None)),
                 };
-                if let Some((a, b)) = local {
+                // A regular file's attributes only under its lock.
+                let held = local.as_ref().and_then(|(a, _)| match a.kind {
+                    FileType::Regular => self.inner.locks.try_hold(ino, LockMode::Shared).map(Some),
+                    _ => Some(None),
+                });
+                if let (Some((a, b)), Some(_held)) = (local, held) {
                     if let Some(b) = self.inner.blocks_local(&a, b) {
                         return to_reply(Ok(done_bytes(&self.inner.attr_out(&a, b))), out);
                     }
                 }
                 self.offload(ctx, out, move |i| i.getattr(ino))
             }
-            Operation::Setattr(a) => self.offload(ctx, out, move |i| i.setattr(ino, &a)),
+            Operation::Setattr(a) => self.offload(ctx, out, move |i| {
+                let _held = i.hold_regular(ino, LockMode::Exclusive)?;
+                i.setattr(ino, &a)
+            }),
             Operation::Readlink => self.offload(ctx, out, move |i| i.readlink(ino)),
             Operation::Symlink { name, target } => {
                 let (name, target) = (name.to_vec(), target.to_vec());
@@ -121,7 +136,12 @@ impl EtcFs {
                 self.offload(ctx, out, move |i| i.open_file(ino, flags, false))
             }
             Operation::Opendir { .. } => self.offload(ctx, out, move |i| i.open_file(ino, 0, true)),
-            Operation::Read { offset, size, .. } => {
+            Operation::Read {
+                offset,
+                size,
+                flags,
+                ..
+            } => {
                 // Fast path: the extent map is cached and nobody holds the file.
                 let counters = &self.inner.data_counters;
                 if let Some(r) = self.read_fast(ino, offset, size, out) {
@@ -130,17 +150,23 @@ impl EtcFs {
                 }
                 counters.reads_on_waiter.fetch_add(1, Ordering::Relaxed);
                 let out_len = out.len();
-                self.offload(ctx, out, move |i| i.read(ino, offset, size, out_len))
+                let pages = cached_io(flags, offset, u64::from(size));
+                self.offload(ctx, out, move |i| {
+                    let _held = i.hold_file(ino, LockMode::Shared, pages)?;
+                    i.read(ino, offset, size, out_len)
+                })
             }
             Operation::Write {
                 offset,
                 data,
                 write_flags,
+                flags,
                 ..
             } => {
                 let kill = write_flags & abi::FUSE_WRITE_KILL_SUIDGID != 0;
+                let append = flags & libc::O_APPEND as u32 != 0;
                 let counters = &self.inner.data_counters;
-                if ctx.io_plans() {
+                if ctx.io_plans() && !append {
                     if let Some(r) = self.write_fast(ino, offset, data.len(), kill) {
                         counters.writes_on_core.fetch_add(1, Ordering::Relaxed);
                         return r;
@@ -150,7 +176,11 @@ impl EtcFs {
                 // The data is copied once, here, out of the transport's buffer; the
                 // waiter builds the aligned device image from it.
                 let data = data.to_vec();
-                self.offload(ctx, out, move |i| i.write(ino, offset, &data, kill))
+                let pages = cached_io(flags, offset, data.len() as u64);
+                self.offload(ctx, out, move |i| {
+                    let _held = i.hold_file(ino, LockMode::Exclusive, pages)?;
+                    i.write(ino, offset, &data, kill, append)
+                })
             }
             Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
             Operation::Release { .. } => self.offload(ctx, out, move |i| {
@@ -221,10 +251,14 @@ impl EtcFs {
                 length,
                 mode,
                 ..
-            } => self.offload(ctx, out, move |i| i.fallocate(ino, offset, length, mode)),
-            Operation::Lseek { offset, whence, .. } => {
-                self.offload(ctx, out, move |i| i.lseek(ino, offset, whence))
-            }
+            } => self.offload(ctx, out, move |i| {
+                let _held = i.hold_regular(ino, LockMode::Exclusive)?;
+                i.fallocate(ino, offset, length, mode)
+            }),
+            Operation::Lseek { offset, whence, .. } => self.offload(ctx, out, move |i| {
+                let _held = i.hold_regular(ino, LockMode::Shared)?;
+                i.lseek(ino, offset, whence)
+            }),
             Operation::Interrupt { .. } | Operation::NotifyReply { .. } => Reply::None,
             Operation::Destroy => {
                 self.destroy();
@@ -252,6 +286,7 @@ impl EtcFs {
 
     /// READ on the core when the file's map is cached and its lock is free: no etcd.
     fn read_fast(&self, ino: u64, off: u64, size: u32, out: &mut [u8]) -> Option<Reply> {
+        let _held = self.inner.locks.try_hold(ino, LockMode::Shared)?;
         let st = self.inner.files.get(ino)?;
         let f = st.try_lock_briefly()?;
         let fsize = f.attr.size;
@@ -281,6 +316,7 @@ impl EtcFs {
         if !(self.inner.session_alive)() {
             return None;
         }
+        let _held = self.inner.locks.try_hold(ino, LockMode::Exclusive)?;
         let st = self.inner.files.get(ino)?;
         let mut f = st.try_lock_briefly()?;
         let (segments, io) = plan_overwrite(&st, &mut f, off, len, kill_suid, fd)?;
@@ -335,6 +371,7 @@ impl Handler for EtcFs {
         ] {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }
+        c.push(("cache_locks_known".into(), self.inner.locks.len() as u64));
         let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
         c.push(("own_revisions_forgotten".into(), forgotten));
         c.push(("own_revisions_waited_out".into(), waited_out));
@@ -348,6 +385,9 @@ impl Handler for EtcFs {
             let _ = h.join();
         }
         if let Some(h) = lock(&self.invalidation).take() {
+            let _ = h.join();
+        }
+        if let Some(h) = lock(&self.lock_thread).take() {
             let _ = h.join();
         }
     }

@@ -120,6 +120,14 @@ impl Inner {
         match self.caches.lookup(parent, name) {
             Lookup::Absent => Some(Ok(self.negative_entry())),
             Lookup::Found(d) => {
+                // A regular file's attributes only under its cluster lock.
+                let _held = match d.kind {
+                    FileType::Regular => Some(
+                        self.locks
+                            .try_hold(d.ino.0, meta::cachelock::LockMode::Shared)?,
+                    ),
+                    _ => None,
+                };
                 // An open file's own state, never the caches' (they lack pending writes);
                 // a waiter answers when its lock is held.
                 let (attr, blocks) = match self.files.try_open_attr(d.ino.0) {
@@ -207,6 +215,16 @@ impl Inner {
         let Some(d) = self.resolve(parent, name)? else {
             return Ok(self.negative_entry());
         };
+        let _held = match d.kind {
+            FileType::Regular => {
+                match self.hold_file(d.ino.0, meta::cachelock::LockMode::Shared, None) {
+                    Ok(h) => Some(h),
+                    Err(Errno::ENOENT) => return Ok(self.negative_entry()),
+                    Err(e) => return Err(e),
+                }
+            }
+            _ => None,
+        };
         let (attr, blocks) = match self.attr_of(d.ino.0) {
             Ok(v) => v,
             // Removed between the two reads: absent now.
@@ -217,6 +235,7 @@ impl Inner {
     }
 
     pub(super) fn getattr(&self, ino: u64) -> Result<Done, Errno> {
+        let _held = self.hold_regular(ino, meta::cachelock::LockMode::Shared)?;
         let (attr, blocks) = self.attr_of(ino)?;
         Ok(done_bytes(&self.attr_out(&attr, blocks)))
     }

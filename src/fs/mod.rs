@@ -50,6 +50,7 @@ mod dir;
 mod dispatch;
 mod errno;
 mod files;
+mod locks;
 mod lookup;
 mod namespace;
 mod open;
@@ -440,6 +441,7 @@ pub(crate) struct EtcFs {
     pool: Pool,
     housekeeping: Mutex<Option<std::thread::JoinHandle<()>>>,
     invalidation: Mutex<Option<std::thread::JoinHandle<()>>>,
+    lock_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Everything an operation needs, shared by the cores and the waiters.
@@ -462,6 +464,8 @@ pub(crate) struct Inner {
     /// Another node asked for space (its `W` record): housekeeping hands groups back.
     space_wanted: AtomicBool,
     files: Files,
+    /// Cluster cache locks of regular files (`locks.rs`).
+    locks: locks::LockTable,
     dirs: Mutex<HashMap<u64, DirHandle>>,
     next_fh: AtomicU64,
     stopping: AtomicBool,
@@ -564,6 +568,7 @@ impl EtcFs {
     ) -> anyhow::Result<EtcFs> {
         let meta = pipeline.client();
         let session = Arc::new(session);
+        let cache_locks = session.cache_locks();
         // A weak reference, so unmount can take the session back to close it.
         let alive = {
             let s = Arc::downgrade(&session);
@@ -586,6 +591,7 @@ impl EtcFs {
             claiming: Mutex::new(()),
             space_wanted: AtomicBool::new(false),
             files: Files::default(),
+            locks: locks::LockTable::new(cache_locks),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -606,11 +612,15 @@ impl EtcFs {
                 .context("spawning the housekeeping thread")?
         };
         let inval = watch::start(&inner).context("spawning the invalidation thread")?;
+        let lock_thread = inner
+            .start_lock_thread()
+            .context("spawning the lock thread")?;
         Ok(EtcFs {
             pool: Pool::new(waiters, WAITER_QUEUE_MAX, inner.clone()),
             inner,
             housekeeping: Mutex::new(Some(hk)),
             invalidation: Mutex::new(Some(inval)),
+            lock_thread: Mutex::new(Some(lock_thread)),
         })
     }
 
@@ -667,6 +677,7 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
         if let Err(e) = i.reclaim_dead_orphans() {
             log::warn!("reclaiming orphans of dead nodes: {e}");
         }
+        i.trim_locks();
     }
 }
 
@@ -701,13 +712,24 @@ impl Inner {
         EntryOut::new(
             a.generation,
             self.entry_timeout,
-            self.attr_timeout,
+            self.attr_ttl(a),
             fuse_attr(&self.with_times(a), blocks),
         )
     }
 
     fn attr_out(&self, a: &InodeAttr, blocks: Option<u64>) -> AttrOut {
-        AttrOut::new(self.attr_timeout, fuse_attr(&self.with_times(a), blocks))
+        AttrOut::new(self.attr_ttl(a), fuse_attr(&self.with_times(a), blocks))
+    }
+
+    /// How long the kernel may keep `a`: a regular file's attributes only while this
+    /// node holds its cluster lock (giving the lock up drops them), so not at all when
+    /// it does not (a READDIRPLUS entry of a file another node writes).
+    fn attr_ttl(&self, a: &InodeAttr) -> Duration {
+        if a.kind == FileType::Regular && self.locks.held(a.ino.0).is_none() {
+            Duration::ZERO
+        } else {
+            self.attr_timeout
+        }
     }
 
     /// The attributes with the times this node moved and etcd shows only after the

@@ -54,6 +54,10 @@ impl Inner {
             },
             symlink,
         })?;
+        if kind == FileType::Regular {
+            // Its lock was taken in the create's own transaction.
+            self.locks.created(out.ino.map_or(0, |i| i.0), out.revision.0);
+        }
         Ok((out.attr.ok_or(Errno::EIO)?, out.revision.0))
     }
 
@@ -150,11 +154,18 @@ impl Inner {
         flags: u32,
         mode: u32,
     ) -> Result<Done, Errno> {
+        let mut held = None;
         let (attr, rev) = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None)
         {
             Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
                 // Another creator won; behave as open(2) does.
                 let d = self.resolve_one(h.nodeid, name)?.ok_or(Errno::ENOENT)?;
+                let mode = if flags & libc::O_TRUNC as u32 != 0 {
+                    meta::cachelock::LockMode::Exclusive
+                } else {
+                    meta::cachelock::LockMode::Shared
+                };
+                held = self.hold_regular(d.ino.0, mode)?;
                 self.get_attr_at(d.ino.0)?
             }
             r => r?,
@@ -175,6 +186,7 @@ impl Inner {
         };
         let mut b = vec![0u8; size_of::<EntryOut>() + size_of::<OpenOut>()];
         let entry = self.entry_out(&attr, blocks);
+        drop(held);
         let o = OpenOut::read_from(&open);
         let n = reply::create(&mut b, &entry, &o).ok_or(Errno::EIO)?;
         b.truncate(n);

@@ -3,16 +3,28 @@
 //! the last close of an unlinked file reclaiming it.
 
 use super::*;
+use meta::cachelock::LockMode;
+
+fn truncates(flags: u32) -> bool {
+    flags & libc::O_TRUNC as u32 != 0 && flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32
+}
 
 impl Inner {
     pub(super) fn open_file(&self, ino: u64, flags: u32, dir: bool) -> Result<Done, Errno> {
         // A directory needs only its type; a file is read fresh (close-to-open: the size
         // another node wrote before our open is seen).
-        let (attr, rev) = if dir {
-            (self.cached_attr(ino)?, 0)
+        if dir {
+            let attr = self.cached_attr(ino)?;
+            return self.open_with_attr(ino, flags, dir, attr, 0);
+        }
+        // A truncating open writes: it needs the lock exclusive.
+        let mode = if truncates(flags) {
+            LockMode::Exclusive
         } else {
-            self.get_attr_at(ino)?
+            LockMode::Shared
         };
+        let _held = self.hold_regular(ino, mode)?;
+        let (attr, rev) = self.get_attr_at(ino)?;
         self.open_with_attr(ino, flags, dir, attr, rev)
     }
 
@@ -47,16 +59,14 @@ impl Inner {
         let mut open_flags = 0;
         if attr.kind == FileType::Regular {
             let st = self.files.open(ino, attr.clone(), rev)?;
-            let trunc = flags & libc::O_TRUNC as u32 != 0
-                && flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
-            if trunc && attr.size != 0 {
+            if truncates(flags) && attr.size != 0 {
                 if let Err(e) = self.truncate(&st, 0, SetAttr::default()) {
                     self.release_file(ino);
                     return Err(e);
                 }
             }
-            // This node's own writes keep the page cache right; other nodes' writes are
-            // the cluster issue's (their locks invalidate it).
+            // The page cache is the cluster lock's: a node that gives the lock up drops
+            // it first, so what is cached when a file is opened is current.
             open_flags |= abi::FOPEN_KEEP_CACHE;
         }
         Ok(done_bytes(&OpenOut {

@@ -136,18 +136,29 @@ impl Inner {
         off: u64,
         data: &[u8],
         kill_suid: bool,
+        append: bool,
     ) -> Result<Done, Errno> {
         let len = data.len() as u64;
-        let end = off.checked_add(len).ok_or(Errno::EFBIG)?;
-        if end > FILE_SIZE_MAX {
-            return Err(Errno::EFBIG);
-        }
         if !(self.session_alive)() {
             // Our lease is gone: another node may own our groups now.
             return Err(Errno::EIO);
         }
         let st = self.files.get(ino).ok_or(Errno::EBADF)?;
         let mut f = st.lock();
+        // O_APPEND: the kernel chose the offset from its own idea of the size, which is
+        // another node's old size when that node appended last. The exclusive lock makes
+        // ours the file's real size; the kernel's copy of the data at its offset (and
+        // its size) are dropped once this write is answered.
+        let off = if append && off != f.attr.size {
+            self.lock_stale(ino, (off, off.saturating_add(len)));
+            f.attr.size
+        } else {
+            off
+        };
+        let end = off.checked_add(len).ok_or(Errno::EFBIG)?;
+        if end > FILE_SIZE_MAX {
+            return Err(Errno::EFBIG);
+        }
         if len == 0 {
             return reply_write(0);
         }

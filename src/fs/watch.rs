@@ -63,6 +63,7 @@ use std::{
 };
 
 use meta::{
+    cachelock::{CacheLock, LockMode},
     codec::{decode_at, Dentry, InodeAttr},
     error::KvError,
     keys::KeyKind,
@@ -281,7 +282,22 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
                 deleted: !put,
             };
             if let Some(k) = i.caches.event(rev, &e) {
-                kernel.push(refine_inode(i, k, attr.as_ref()));
+                let k = refine_inode(i, k, attr.as_ref());
+                // A regular file's pages are the cache locks' to drop, by the holder
+                // before it gives the lock up; from here, a page a READ waiting for the
+                // lock has locked would stall this thread, and with it the watch events
+                // that READ waits for.
+                let k = match k {
+                    Kernel::InvalInode { ino, .. }
+                        if attr
+                            .as_ref()
+                            .is_none_or(|a| a.kind == meta::types::FileType::Regular) =>
+                    {
+                        Kernel::InvalInode { ino, data: false }
+                    }
+                    k => k,
+                };
+                kernel.push(k);
             }
         }
         Some(KeyKind::Dentry(parent, name)) => {
@@ -310,6 +326,25 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
         Some(KeyKind::SpaceWanted(asker)) if put => i.space_wanted_by(asker),
+        Some(KeyKind::CacheWant(ino, asker)) if put && asker != i.locks.me() => {
+            match decode_at::<CacheLock>(keys, &ev.kv.key, &ev.kv.value) {
+                Ok(c) => i.locks.asked(ino.0, c.mode),
+                // Unreadable: give way as to a writer.
+                Err(e) => {
+                    log::warn!("cache watch: {e}");
+                    i.locks.asked(ino.0, LockMode::Exclusive);
+                }
+            }
+        }
+        Some(KeyKind::CacheLock(ino, holder)) => {
+            if holder != i.locks.me() {
+                i.locks.holders_changed(ino.0);
+            } else if !put && i.locks.lost(ino.0, rev) {
+                // Deleted with its file by another node: nothing cached stays.
+                i.caches.forget_attr(ino.0);
+                i.files.forget_extents(ino.0);
+            }
+        }
         _ => {}
     }
 }

@@ -1,0 +1,752 @@
+//! Cluster cache locks: what lets a node cache a regular file's pages, attributes and
+//! extent map, and keep writes behind, while other nodes use the same file.
+//!
+//! # The protocol
+//!
+//! Every regular file has one lock in etcd (`meta::cachelock`), held per node in one of two
+//! modes: **shared** (the node may cache the file: kernel pages and attributes, the daemon's
+//! attributes and extent map) or **exclusive** (it may also write, and keep allocating
+//! writes behind). Several nodes may share; an exclusive holder is alone. Keys live under
+//! the holder's lease, so a dead node's locks die with it.
+//!
+//! * **Taking.** An operation on a file first holds its lock in the mode it needs
+//!   ([`Inner::hold`]): READ, GETATTR, LOOKUP, OPEN and SEEK shared; WRITE, SETATTR,
+//!   FALLOCATE and truncation exclusive. Held already: no etcd (this is what an uncontended
+//!   file costs, and the cores' fast paths check it without blocking). Not held: one
+//!   transaction takes it when no other node conflicts; a create takes its new file's lock
+//!   exclusive in its own transaction. On a conflict the node records that it waits (`Q`)
+//!   and sleeps until the watch shows a change of the file's holders (a re-check each
+//!   [`RECHECK`] covers a missed event), at most [`ACQUIRE_WAIT_MAX`], then EIO.
+//! * **Giving way.** The holder's watch sees the `Q` record and queues the file for the
+//!   lock thread ([`Inner::give_way`]). After a minimum hold ([`MIN_HOLD`]), it stops new
+//!   operations on the file, waits for the ones in progress and for the file's device I/O,
+//!   commits what it has written behind (an exclusive holder's data and mtime reach etcd
+//!   and the device), and then:
+//!   - for a **shared** request to an exclusive holder: downgrades in etcd, keeping its
+//!     caches (they hold exactly what it wrote);
+//!   - otherwise: makes the kernel drop the file's pages and attributes (INVAL_INODE),
+//!     drops its own cached attributes and extent map, and only then deletes its key.
+//!     **Invalidate before giving up the lock, never after.**
+//! * The asker's watch sees the delete (or the downgrade) and takes the lock. Whatever it
+//!   reads now is what the last holder wrote: a `write(2)` that returned on one node is
+//!   seen by a `read(2)` or `stat(2)` that starts later on any other.
+//!
+//! # The kernel's page locks
+//!
+//! A kernel invalidation locks each cached page of the range in turn; a READ or buffered
+//! WRITE sent to us holds its pages locked until we answer. So an operation that waits for
+//! the lock while a release is invalidating could hold a page the invalidation waits for,
+//! and a killed daemon with a thread stuck there never exits. Two rules prevent it:
+//! the release invalidates around the ranges of the READs and WRITEs already waiting
+//! (their pages are being filled, not cached), and lets through any that arrives inside
+//! the range being invalidated (the lock is still ours; the invalidation waits for its
+//! pages, then drops them), invalidating their ranges again after. Pages left out
+//! because an operation was waiting on them are invalidated once it has run
+//! ([`Job::InvalStale`]).
+
+use std::{
+    collections::HashMap,
+    sync::atomic::Ordering::Relaxed,
+    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
+use meta::{
+    cachelock::{Acquired, CacheLocks, LockMode},
+    error::MetaError,
+    types::Ino,
+};
+
+use super::{errno, Inner};
+use meta::types::FileType;
+use fusedev::errno::Errno;
+
+/// Locks this node keeps in its table; over it, those of files not open and not in use
+/// are given back (housekeeping).
+pub(crate) const LOCKS_MAX: usize = 1 << 16;
+/// How long a node keeps a lock it was just granted before giving way: a node taking
+/// turns with another on one file gets some work done per turn instead of bouncing the
+/// lock on every operation (GFS2 holds a glock 200 ms by default, adaptively).
+pub(crate) const MIN_HOLD: Duration = Duration::from_millis(5);
+/// How long an operation waits for another node to give a lock up before EIO. Longer
+/// than a lease, so a dead holder's lock has expired by then.
+pub(crate) const ACQUIRE_WAIT_MAX: Duration = Duration::from_secs(30);
+/// How often a waiting operation asks again without a watch event.
+pub(crate) const RECHECK: Duration = Duration::from_secs(1);
+/// Files queued for the lock thread.
+const JOBS_MAX: usize = 4096;
+/// Page size the kernel invalidates in.
+const PAGE: u64 = 4096;
+
+/// A byte range `[start, end)` of a file.
+pub(crate) type Range = (u64, u64);
+
+/// What the lock thread does for a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Job {
+    /// Another node waits for the lock: give way.
+    GiveWay(u64),
+    /// Pages a release left out (an operation was waiting on them) or an O_APPEND write
+    /// placed elsewhere than the kernel thought: invalidate them now.
+    InvalStale(u64),
+}
+
+#[derive(Debug, Default)]
+struct State {
+    held: Option<LockMode>,
+    /// The store revision the lock was granted at (0: not held).
+    granted_rev: i64,
+    granted_at: Option<Instant>,
+    /// Operations holding it now ([`Hold`]s).
+    users: u32,
+    /// A release is under way: operations wait, except those let through.
+    releasing: bool,
+    /// Ranges the release is invalidating right now.
+    inval: Vec<Range>,
+    /// Operations let through inside `inval` (their ranges are invalidated again).
+    let_through: Vec<Range>,
+    /// Ranges of the READs and WRITEs waiting for the lock (their pages are locked).
+    blocked: Vec<Range>,
+    /// One operation is taking the lock from etcd; the others wait for its result.
+    acquiring: bool,
+    /// The strongest mode another node waits for.
+    wanted: Option<LockMode>,
+    /// Bumped when the watch sees the file's holders change.
+    changed: u64,
+    /// Pages to invalidate once the operations that were waiting on them have run.
+    stale: Vec<Range>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Entry {
+    st: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Entry {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wait_timeout<'a>(&self, g: MutexGuard<'a, State>, d: Duration) -> MutexGuard<'a, State> {
+        self.cv
+            .wait_timeout(g, d)
+            .map(|(g, _)| g)
+            .unwrap_or_else(|e| e.into_inner().0)
+    }
+
+    fn wait<'a>(&self, g: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.cv.wait(g).unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// An operation's use of a file's lock: the lock is not given up while it lives.
+#[must_use]
+pub(crate) struct Hold {
+    entry: Arc<Entry>,
+    ino: u64,
+    jobs: Sender<Job>,
+    /// Just taken from etcd (not held before): the caller drops what it cached before.
+    pub(crate) fresh: bool,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut s = self.entry.lock();
+        s.users -= 1;
+        let stale = s.users == 0 && !s.stale.is_empty() && !s.releasing;
+        drop(s);
+        self.entry.cv.notify_all();
+        if stale {
+            let _ = self.jobs.try_send(Job::InvalStale(self.ino));
+        }
+    }
+}
+
+/// This node's cache locks.
+pub(crate) struct LockTable {
+    map: Mutex<HashMap<u64, Arc<Entry>>>,
+    etcd: CacheLocks,
+    jobs: Sender<Job>,
+    jobs_rx: Mutex<Option<Receiver<Job>>>,
+}
+
+fn covers(ranges: &[Range], r: Range) -> bool {
+    ranges.iter().any(|&(s, e)| s < r.1 && r.0 < e)
+}
+
+/// The page-aligned cover of a byte range.
+fn pages(r: Range) -> Range {
+    (r.0 - r.0 % PAGE, r.1.saturating_add(PAGE - 1) / PAGE * PAGE)
+}
+
+/// `[0, ∞)` without the pages of `holes`, as ranges to invalidate.
+pub(crate) fn around(holes: &[Range]) -> Vec<Range> {
+    let mut h: Vec<Range> = holes.iter().map(|&r| pages(r)).collect();
+    h.sort_unstable();
+    let mut out = Vec::new();
+    let mut at = 0u64;
+    for (s, e) in h {
+        if s > at {
+            out.push((at, s));
+        }
+        at = at.max(e);
+    }
+    if at < u64::MAX {
+        out.push((at, u64::MAX));
+    }
+    out
+}
+
+/// Removes one instance of `r` from `v`.
+fn remove_one(v: &mut Vec<Range>, r: Range) {
+    if let Some(i) = v.iter().position(|&x| x == r) {
+        v.swap_remove(i);
+    }
+}
+
+impl LockTable {
+    pub(crate) fn new(etcd: CacheLocks) -> LockTable {
+        let (tx, rx) = bounded(JOBS_MAX);
+        LockTable {
+            map: Mutex::new(HashMap::new()),
+            etcd,
+            jobs: tx,
+            jobs_rx: Mutex::new(Some(rx)),
+        }
+    }
+
+    fn table(&self) -> MutexGuard<'_, HashMap<u64, Arc<Entry>>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn entry(&self, ino: u64) -> Arc<Entry> {
+        self.table().entry(ino).or_default().clone()
+    }
+
+    fn get(&self, ino: u64) -> Option<Arc<Entry>> {
+        self.table().get(&ino).cloned()
+    }
+
+    /// This node's session.
+    pub(crate) fn me(&self) -> meta::types::SessionId {
+        self.etcd.session()
+    }
+
+    /// The mode held on `ino`, if any (not during a release).
+    pub(crate) fn held(&self, ino: u64) -> Option<LockMode> {
+        let e = self.get(ino)?;
+        let s = e.st.try_lock().ok()?;
+        if s.releasing {
+            return None;
+        }
+        s.held
+    }
+
+    /// A hold for a core's fast path: only when `mode` is held and nothing is in the way;
+    /// never blocks.
+    pub(crate) fn try_hold(&self, ino: u64, mode: LockMode) -> Option<Hold> {
+        let e = self.get(ino)?;
+        let mut s = e.st.try_lock().ok()?;
+        if s.releasing || s.held? < mode {
+            return None;
+        }
+        s.users += 1;
+        drop(s);
+        Some(Hold {
+            entry: e,
+            ino,
+            jobs: self.jobs.clone(),
+            fresh: false,
+        })
+    }
+
+    /// Records a lock taken by a create's own transaction at `rev`.
+    pub(crate) fn created(&self, ino: u64, rev: i64) {
+        let e = self.entry(ino);
+        let mut s = e.lock();
+        if s.held.is_none() {
+            s.held = Some(LockMode::Exclusive);
+            s.granted_rev = rev;
+            s.granted_at = Some(Instant::now());
+        }
+    }
+
+    /// The watch saw another node ask for `ino` in `mode`: queue a release when we hold
+    /// it in a conflicting mode.
+    pub(crate) fn asked(&self, ino: u64, mode: LockMode) {
+        let Some(e) = self.get(ino) else { return };
+        let mut s = e.lock();
+        match s.held {
+            Some(h) if h.conflicts(mode) => {
+                s.wanted = s.wanted.max(Some(mode));
+                drop(s);
+                if let Err(TrySendError::Full(_)) = self.jobs.try_send(Job::GiveWay(ino)) {
+                    // The asker asks again each RECHECK; the queue will have room then.
+                    log::warn!("lock queue full: inode {ino} given way later");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The watch saw the holders of `ino` change: waiters try again.
+    pub(crate) fn holders_changed(&self, ino: u64) {
+        if let Some(e) = self.get(ino) {
+            e.lock().changed += 1;
+            e.cv.notify_all();
+        }
+    }
+
+    /// The watch saw our own key of `ino` deleted at `rev` by someone else (the file was
+    /// deleted): nothing is held any more. True when it was.
+    pub(crate) fn lost(&self, ino: u64, rev: i64) -> bool {
+        let Some(e) = self.get(ino) else {
+            return false;
+        };
+        let mut s = e.lock();
+        if s.held.is_none() || s.releasing || rev <= s.granted_rev {
+            return false;
+        }
+        s.held = None;
+        s.granted_rev = 0;
+        true
+    }
+
+    /// Files whose locks can go: held, unused, and not open here (`open`), beyond
+    /// [`LOCKS_MAX`].
+    pub(crate) fn over_bound(&self, open: impl Fn(u64) -> bool) -> Vec<u64> {
+        let t = self.table();
+        if t.len() <= LOCKS_MAX {
+            return Vec::new();
+        }
+        let excess = t.len() - LOCKS_MAX;
+        t.iter()
+            .filter(|(&ino, e)| {
+                !open(ino)
+                    && e.st
+                        .try_lock()
+                        .is_ok_and(|s| s.users == 0 && !s.releasing && !s.acquiring)
+            })
+            .map(|(&ino, _)| ino)
+            .take(excess)
+            .collect()
+    }
+
+    /// Drops table entries that hold nothing and nobody uses.
+    fn prune(&self, ino: u64) {
+        let mut t = self.table();
+        if let Some(e) = t.get(&ino) {
+            if Arc::strong_count(e) == 1
+                && e.st.try_lock().is_ok_and(|s| {
+                    s.held.is_none() && s.users == 0 && !s.acquiring && s.blocked.is_empty()
+                })
+            {
+                t.remove(&ino);
+            }
+        }
+    }
+
+    /// Counters for `etcfs stats`.
+    pub(crate) fn len(&self) -> usize {
+        self.table().len()
+    }
+}
+
+impl Inner {
+    fn locks(&self) -> &LockTable {
+        &self.locks
+    }
+
+    /// Holds `ino`'s lock in at least `mode` for one operation, taking it from etcd (and
+    /// waiting for other nodes to give way) when this node does not hold it. `range`: the
+    /// bytes a buffered READ or WRITE covers (its pages are locked in the kernel while it
+    /// waits), `None` for other operations. Never call it on a core.
+    pub(super) fn hold(&self, ino: u64, mode: LockMode, range: Option<Range>) -> Result<Hold, Errno> {
+        let t = self.locks();
+        let e = t.entry(ino);
+        let deadline = Instant::now() + ACQUIRE_WAIT_MAX;
+        let mut s = e.lock();
+        let hold = |s: &mut State, fresh: bool| {
+            s.users += 1;
+            Hold {
+                entry: e.clone(),
+                ino,
+                jobs: t.jobs.clone(),
+                fresh,
+            }
+        };
+        loop {
+            if s.releasing {
+                if let Some(r) = range {
+                    if covers(&s.inval, r) {
+                        s.let_through.push(r);
+                        return Ok(hold(&mut s, false));
+                    }
+                }
+                s = self.wait_blocked(&e, s, range, RECHECK);
+                continue;
+            }
+            if s.held.is_some_and(|h| h >= mode) {
+                return Ok(hold(&mut s, false));
+            }
+            if s.acquiring {
+                s = self.wait_blocked(&e, s, range, RECHECK);
+                continue;
+            }
+            if Instant::now() >= deadline {
+                drop(s);
+                let _ = self.with_locks(move |l| Box::pin(async move { l.withdraw(Ino(ino)).await }));
+                log::warn!(
+                    "inode {ino}: another node did not give its lock up in {} s",
+                    ACQUIRE_WAIT_MAX.as_secs()
+                );
+                return Err(Errno::EIO);
+            }
+            s.acquiring = true;
+            let seen = s.changed;
+            let was_held = s.held.is_some();
+            drop(s);
+            let r = self.with_locks(move |l| Box::pin(async move { l.acquire(Ino(ino), mode).await }));
+            s = e.lock();
+            s.acquiring = false;
+            e.cv.notify_all();
+            match r {
+                Ok(Acquired::Granted { revision }) => {
+                    s.held = Some(mode.max(s.held.unwrap_or(mode)));
+                    s.granted_rev = revision;
+                    s.granted_at = Some(Instant::now());
+                    self.caches.n.cache_locks_taken.fetch_add(1, Relaxed);
+                    return Ok(hold(&mut s, !was_held));
+                }
+                Ok(Acquired::Busy { holders }) => {
+                    log::debug!("inode {ino}: waiting for {holders:?} to give way");
+                    self.caches.n.cache_lock_waits.fetch_add(1, Relaxed);
+                    if s.changed == seen {
+                        s = self.wait_blocked(&e, s, range, RECHECK);
+                    }
+                }
+                Err(err) => return Err(errno::meta(&err)),
+            }
+        }
+    }
+
+    /// Waits on `e` (at most `d`), with `range` listed as blocked meanwhile.
+    fn wait_blocked<'a>(
+        &self,
+        e: &'a Entry,
+        mut s: MutexGuard<'a, State>,
+        range: Option<Range>,
+        d: Duration,
+    ) -> MutexGuard<'a, State> {
+        if let Some(r) = range {
+            s.blocked.push(r);
+        }
+        let mut s = e.wait_timeout(s, d);
+        if let Some(r) = range {
+            remove_one(&mut s.blocked, r);
+        }
+        s
+    }
+
+    /// Runs a cache-lock call on the pipeline's runtime.
+    fn with_locks<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(
+                CacheLocks,
+            ) -> std::pin::Pin<
+                Box<dyn std::future::Future<Output = Result<T, MetaError>> + Send>,
+            > + Send
+            + 'static,
+    ) -> Result<T, MetaError> {
+        let l = self.locks().etcd.clone();
+        super::run_read(&self.meta, move |_, _| f(l))
+    }
+
+    /// [`Hold`] for a file: on a fresh lock, what this node cached of it before is
+    /// dropped and the open file's attributes are read again.
+    pub(super) fn hold_file(
+        &self,
+        ino: u64,
+        mode: LockMode,
+        range: Option<Range>,
+    ) -> Result<Hold, Errno> {
+        let h = self.hold(ino, mode, range)?;
+        if h.fresh {
+            self.refresh_file(ino)?;
+        }
+        Ok(h)
+    }
+
+    /// After taking a lock: the attributes, block count and extent map cached before it
+    /// may predate another node's writes.
+    fn refresh_file(&self, ino: u64) -> Result<(), Errno> {
+        self.caches.forget_attr(ino);
+        self.caches.forget_blocks(ino);
+        if let Some(st) = self.files.get(ino) {
+            let (attr, rev) = match self.meta.get_inode_at(Ino(ino)).and_then(|t| t.wait()) {
+                Ok((Some(a), rev)) => (a, rev.0),
+                Ok((None, _)) => return Err(Errno::ENOENT),
+                Err(e) => return Err(errno::meta(&e)),
+            };
+            let mut f = st.lock();
+            f.set_attr(&attr, rev);
+            f.forget_extents();
+        }
+        Ok(())
+    }
+
+    /// Starts the lock thread, which gives locks up for other nodes.
+    pub(super) fn start_lock_thread(self: &Arc<Self>) -> std::io::Result<JoinHandle<()>> {
+        let rx = super::lock(&self.locks.jobs_rx)
+            .take()
+            .expect("one lock thread per filesystem");
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("etcfs-locks".into())
+            .spawn(move || loop {
+                let job = match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(j) => j,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        match weak.upgrade() {
+                            Some(i) if !i.stopping.load(std::sync::atomic::Ordering::Acquire) => {
+                                continue
+                            }
+                            _ => return,
+                        }
+                    }
+                    Err(_) => return,
+                };
+                let Some(i) = weak.upgrade() else { return };
+                match job {
+                    Job::GiveWay(ino) => i.give_way(ino),
+                    Job::InvalStale(ino) => i.inval_stale(ino),
+                }
+            })
+    }
+
+    /// Queues `job` for the lock thread.
+    pub(super) fn lock_job(&self, job: Job) {
+        let _ = self.locks.jobs.try_send(job);
+    }
+
+    /// Gives `ino`'s lock up (or downgrades it) for the node that asked: see the module
+    /// docs for the order of things.
+    pub(super) fn give_way(&self, ino: u64) {
+        let Some(e) = self.locks.get(ino) else { return };
+        let mut s = e.lock();
+        let (Some(held), Some(want)) = (s.held, s.wanted.take()) else {
+            return;
+        };
+        if !held.conflicts(want) || s.releasing {
+            return;
+        }
+        if let Some(t) = s.granted_at {
+            let until = t + MIN_HOLD;
+            let now = Instant::now();
+            if now < until {
+                drop(s);
+                std::thread::sleep(until - now);
+                s = e.lock();
+                if s.held != Some(held) {
+                    return;
+                }
+            }
+        }
+        let downgrade = held == LockMode::Exclusive && want == LockMode::Shared;
+        s.releasing = true;
+        while s.users > 0 {
+            s = e.wait(s);
+        }
+        drop(s);
+        let give_back = |e: &Entry, wanted: LockMode| {
+            let mut s = e.lock();
+            s.releasing = false;
+            s.wanted = s.wanted.max(Some(wanted));
+            drop(s);
+            e.cv.notify_all();
+        };
+        if held == LockMode::Exclusive {
+            if let Err(err) = self.write_back(ino) {
+                // Not giving it up: what is written behind would be lost to the asker.
+                log::warn!("inode {ino}: keeping the lock, writing back failed: {err}");
+                give_back(&e, want);
+                std::thread::sleep(RECHECK);
+                self.lock_job(Job::GiveWay(ino));
+                return;
+            }
+        } else {
+            self.wait_file_io(ino);
+        }
+        if downgrade {
+            match self.with_locks(move |l| Box::pin(async move { l.downgrade(Ino(ino)).await })) {
+                Ok(()) => {
+                    let mut s = e.lock();
+                    s.held = Some(LockMode::Shared);
+                    s.releasing = false;
+                    drop(s);
+                    e.cv.notify_all();
+                    self.caches.n.cache_locks_downgraded.fetch_add(1, Relaxed);
+                }
+                Err(err) => {
+                    log::warn!("inode {ino}: downgrading its lock: {err}");
+                    give_back(&e, want);
+                }
+            }
+            return;
+        }
+        let left_out = self.invalidate_for_release(&e, ino, held);
+        self.caches.forget_attr(ino);
+        self.caches.forget_blocks(ino);
+        self.files.forget_extents(ino);
+        match self.with_locks(move |l| Box::pin(async move { l.release(Ino(ino)).await })) {
+            Ok(()) => {
+                let mut s = e.lock();
+                s.held = None;
+                s.granted_rev = 0;
+                s.granted_at = None;
+                s.releasing = false;
+                s.stale.extend(left_out);
+                drop(s);
+                e.cv.notify_all();
+                self.caches.n.cache_locks_released.fetch_add(1, Relaxed);
+                self.locks.prune(ino);
+            }
+            Err(err) => {
+                // Still ours in etcd; the caches are dropped, which is always allowed.
+                log::warn!("inode {ino}: releasing its lock: {err}");
+                give_back(&e, want);
+            }
+        }
+    }
+
+    /// The kernel drops the file's pages and attributes, around the pages of operations
+    /// waiting for the lock; returns those left out. Holds `releasing` throughout.
+    fn invalidate_for_release(&self, e: &Entry, ino: u64, held: LockMode) -> Vec<Range> {
+        let blocked: Vec<Range> = e.lock().blocked.clone();
+        let mut ranges = around(&blocked);
+        loop {
+            {
+                let mut s = e.lock();
+                s.inval.clone_from(&ranges);
+                s.let_through.clear();
+            }
+            self.kernel_inval(ino, &ranges);
+            let mut s = e.lock();
+            s.inval.clear();
+            ranges = std::mem::take(&mut s.let_through);
+            while s.users > 0 {
+                s = e.wait(s);
+            }
+            drop(s);
+            if ranges.is_empty() {
+                break;
+            }
+            ranges = ranges.into_iter().map(pages).collect();
+            if held == LockMode::Exclusive {
+                if let Err(err) = self.write_back(ino) {
+                    log::warn!("inode {ino}: writing back before giving its lock up: {err}");
+                }
+            }
+        }
+        blocked.into_iter().map(pages).collect()
+    }
+
+    /// INVAL_INODE of `ranges` (an end of `u64::MAX`: to the end of the file).
+    fn kernel_inval(&self, ino: u64, ranges: &[Range]) {
+        let Some(n) = super::lock(&self.notifier)
+            .clone()
+            .or_else(|| super::PROCESS_NOTIFIER.get().cloned())
+        else {
+            return;
+        };
+        for &(s, e) in ranges {
+            let off = i64::try_from(s).unwrap_or(i64::MAX);
+            let len = if e == u64::MAX {
+                0
+            } else {
+                i64::try_from(e - s).unwrap_or(0)
+            };
+            self.caches.n.kernel_inval_data.fetch_add(1, Relaxed);
+            if let Err(err) = n.inval_inode(ino, off, len) {
+                log::debug!("kernel invalidation of inode {ino} [{s}, {e}): {err}");
+            }
+        }
+    }
+
+    /// Invalidates pages a release left out, once nobody waits on them.
+    fn inval_stale(&self, ino: u64) {
+        let Some(e) = self.locks.get(ino) else { return };
+        let mut s = e.lock();
+        if s.releasing || s.held.is_none() {
+            return;
+        }
+        let stale = std::mem::take(&mut s.stale);
+        drop(s);
+        self.kernel_inval(ino, &stale);
+    }
+
+    /// An exclusive holder's writes reach etcd and the device: pending extents and size,
+    /// the mtime of overwrites, and no device I/O of the file still in flight.
+    fn write_back(&self, ino: u64) -> Result<(), Errno> {
+        self.sync_pending(ino)?;
+        self.flush_mtime(ino);
+        self.wait_file_io(ino);
+        Ok(())
+    }
+
+    fn wait_file_io(&self, ino: u64) {
+        if let Some(st) = self.files.get(ino) {
+            let f = st.lock();
+            st.wait_io(&f);
+        }
+    }
+
+    /// Pages of `ino` the kernel holds wrongly (an O_APPEND write it placed elsewhere):
+    /// invalidated once the operation in progress is over.
+    pub(super) fn lock_stale(&self, ino: u64, range: Range) {
+        self.locks.entry(ino).lock().stale.push(pages(range));
+    }
+
+    /// A hold of `ino`'s lock when it is a regular file (other types have none).
+    pub(super) fn hold_regular(&self, ino: u64, mode: LockMode) -> Result<Option<Hold>, Errno> {
+        let kind = if self.files.get(ino).is_some() {
+            FileType::Regular
+        } else {
+            self.cached_attr(ino)?.kind
+        };
+        if kind != FileType::Regular {
+            return Ok(None);
+        }
+        self.hold_file(ino, mode, None).map(Some)
+    }
+
+    /// Gives back the locks over [`LOCKS_MAX`] (housekeeping).
+    pub(super) fn trim_locks(&self) {
+        for ino in self.locks.over_bound(|ino| self.files.get(ino).is_some()) {
+            if let Some(e) = self.locks.get(ino) {
+                e.lock().wanted = Some(LockMode::Exclusive);
+            }
+            self.give_way(ino);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalidation_goes_around_waiting_pages() {
+        assert_eq!(around(&[]), vec![(0, u64::MAX)]);
+        assert_eq!(around(&[(5000, 9000), (100, 200)]), vec![(12288, u64::MAX)]);
+        assert_eq!(
+            around(&[(8192, 8193)]),
+            vec![(0, 8192), (12288, u64::MAX)]
+        );
+        assert!(covers(&[(0, 4096)], (4095, 4097)));
+        assert!(!covers(&[(0, 4096)], (4096, 8192)));
+    }
+}
