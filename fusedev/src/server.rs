@@ -299,6 +299,11 @@ pub trait Handler: Send + Sync + 'static {
     /// Called once after INIT negotiation, before any other request.
     fn init(&self, _negotiated: &crate::init::Negotiated) {}
 
+    /// Called once before the first request other than INIT is served, with the means to
+    /// invalidate the kernel's caches on this connection: a filesystem that must drop
+    /// the kernel's pages while serving its first requests has it by then.
+    fn notifier_ready(&self, _notifier: crate::transport::Notifier) {}
+
     /// Called once when the connection ends (DESTROY, unmount or abort).
     fn destroy(&self) {}
 

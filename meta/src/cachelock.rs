@@ -266,7 +266,10 @@ mod tests {
 
     #[test]
     fn two_sessions_share_then_one_waits_for_exclusive() {
-        let clock = Arc::new(ManualClock::new(crate::types::Timespec { sec: 1_000_000, nsec: 0 }));
+        let clock = Arc::new(ManualClock::new(crate::types::Timespec {
+            sec: 1_000_000,
+            nsec: 0,
+        }));
         let etcd = Arc::new(MemEtcd::new(clock));
         let kv: Arc<dyn KvBackend> = etcd.clone();
         let keys = Keyspace::new("t").expect("prefix");

@@ -906,7 +906,10 @@ impl Caches {
             ("cache_locks_taken".into(), l(&n.cache_locks_taken)),
             ("cache_lock_waits".into(), l(&n.cache_lock_waits)),
             ("cache_locks_released".into(), l(&n.cache_locks_released)),
-            ("cache_locks_downgraded".into(), l(&n.cache_locks_downgraded)),
+            (
+                "cache_locks_downgraded".into(),
+                l(&n.cache_locks_downgraded),
+            ),
         ]
     }
 }

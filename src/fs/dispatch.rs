@@ -152,7 +152,7 @@ impl EtcFs {
                 let out_len = out.len();
                 let pages = cached_io(flags, offset, u64::from(size));
                 self.offload(ctx, out, move |i| {
-                    let _held = i.hold_file(ino, LockMode::Shared, pages)?;
+                    let _held = i.hold(ino, LockMode::Shared, pages)?;
                     i.read(ino, offset, size, out_len)
                 })
             }
@@ -178,7 +178,7 @@ impl EtcFs {
                 let data = data.to_vec();
                 let pages = cached_io(flags, offset, data.len() as u64);
                 self.offload(ctx, out, move |i| {
-                    let _held = i.hold_file(ino, LockMode::Exclusive, pages)?;
+                    let _held = i.hold(ino, LockMode::Exclusive, pages)?;
                     i.write(ino, offset, &data, kill, append)
                 })
             }
@@ -333,6 +333,13 @@ impl EtcFs {
 impl Handler for EtcFs {
     fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         self.dispatch(ctx, req, out)
+    }
+
+    fn notifier_ready(&self, notifier: fusedev::transport::Notifier) {
+        // Before the first request: a lock given up while the daemon starts must still
+        // drop the kernel's pages (found by tests/cluster.rs, whose first writes came
+        // before the daemon had set its process-wide notifier).
+        *lock(&self.inner.notifier) = Some(notifier);
     }
 
     fn counters(&self) -> Vec<(String, u64)> {

@@ -60,8 +60,8 @@ use meta::{
 };
 
 use super::{errno, Inner};
-use meta::types::FileType;
 use fusedev::errno::Errno;
+use meta::types::FileType;
 
 /// Locks this node keeps in its table; over it, those of files not open and not in use
 /// are given back (housekeeping).
@@ -111,6 +111,9 @@ struct State {
     blocked: Vec<Range>,
     /// One operation is taking the lock from etcd; the others wait for its result.
     acquiring: bool,
+    /// Just granted: what was cached before is being dropped and re-read; nobody uses
+    /// the lock until that is done.
+    refreshing: bool,
     /// The strongest mode another node waits for.
     wanted: Option<LockMode>,
     /// Bumped when the watch sees the file's holders change.
@@ -148,8 +151,6 @@ pub(crate) struct Hold {
     entry: Arc<Entry>,
     ino: u64,
     jobs: Sender<Job>,
-    /// Just taken from etcd (not held before): the caller drops what it cached before.
-    pub(crate) fresh: bool,
 }
 
 impl Drop for Hold {
@@ -259,7 +260,6 @@ impl LockTable {
             entry: e,
             ino,
             jobs: self.jobs.clone(),
-            fresh: false,
         })
     }
 
@@ -364,18 +364,22 @@ impl Inner {
     /// waiting for other nodes to give way) when this node does not hold it. `range`: the
     /// bytes a buffered READ or WRITE covers (its pages are locked in the kernel while it
     /// waits), `None` for other operations. Never call it on a core.
-    pub(super) fn hold(&self, ino: u64, mode: LockMode, range: Option<Range>) -> Result<Hold, Errno> {
+    pub(super) fn hold(
+        &self,
+        ino: u64,
+        mode: LockMode,
+        range: Option<Range>,
+    ) -> Result<Hold, Errno> {
         let t = self.locks();
         let e = t.entry(ino);
         let deadline = Instant::now() + ACQUIRE_WAIT_MAX;
         let mut s = e.lock();
-        let hold = |s: &mut State, fresh: bool| {
+        let hold = |s: &mut State| {
             s.users += 1;
             Hold {
                 entry: e.clone(),
                 ino,
                 jobs: t.jobs.clone(),
-                fresh,
             }
         };
         loop {
@@ -383,14 +387,18 @@ impl Inner {
                 if let Some(r) = range {
                     if covers(&s.inval, r) {
                         s.let_through.push(r);
-                        return Ok(hold(&mut s, false));
+                        return Ok(hold(&mut s));
                     }
                 }
                 s = self.wait_blocked(&e, s, range, RECHECK);
                 continue;
             }
+            if s.refreshing {
+                s = self.wait_blocked(&e, s, range, RECHECK);
+                continue;
+            }
             if s.held.is_some_and(|h| h >= mode) {
-                return Ok(hold(&mut s, false));
+                return Ok(hold(&mut s));
             }
             if s.acquiring {
                 s = self.wait_blocked(&e, s, range, RECHECK);
@@ -398,7 +406,8 @@ impl Inner {
             }
             if Instant::now() >= deadline {
                 drop(s);
-                let _ = self.with_locks(move |l| Box::pin(async move { l.withdraw(Ino(ino)).await }));
+                let _ =
+                    self.with_locks(move |l| Box::pin(async move { l.withdraw(Ino(ino)).await }));
                 log::warn!(
                     "inode {ino}: another node did not give its lock up in {} s",
                     ACQUIRE_WAIT_MAX.as_secs()
@@ -409,20 +418,34 @@ impl Inner {
             let seen = s.changed;
             let was_held = s.held.is_some();
             drop(s);
-            let r = self.with_locks(move |l| Box::pin(async move { l.acquire(Ino(ino), mode).await }));
+            let r =
+                self.with_locks(move |l| Box::pin(async move { l.acquire(Ino(ino), mode).await }));
             s = e.lock();
             s.acquiring = false;
             e.cv.notify_all();
             match r {
                 Ok(Acquired::Granted { revision }) => {
+                    log::debug!("inode {ino}: granted {mode:?} at {revision}");
                     s.held = Some(mode.max(s.held.unwrap_or(mode)));
                     s.granted_rev = revision;
                     s.granted_at = Some(Instant::now());
                     self.caches.n.cache_locks_taken.fetch_add(1, Relaxed);
-                    return Ok(hold(&mut s, !was_held));
+                    if !was_held {
+                        // Before anyone uses the lock (found by tests/cluster.rs: a
+                        // GETATTR let in beside the READ that took the lock answered the
+                        // size cached before it).
+                        s.refreshing = true;
+                        drop(s);
+                        let r = self.refresh_file(ino);
+                        s = e.lock();
+                        s.refreshing = false;
+                        e.cv.notify_all();
+                        r?;
+                    }
+                    return Ok(hold(&mut s));
                 }
                 Ok(Acquired::Busy { holders }) => {
-                    log::debug!("inode {ino}: waiting for {holders:?} to give way");
+                    log::debug!("inode {ino}: waiting for {holders:?} to give way ({mode:?})");
                     self.caches.n.cache_lock_waits.fetch_add(1, Relaxed);
                     if s.changed == seen {
                         s = self.wait_blocked(&e, s, range, RECHECK);
@@ -465,21 +488,6 @@ impl Inner {
         super::run_read(&self.meta, move |_, _| f(l))
     }
 
-    /// [`Hold`] for a file: on a fresh lock, what this node cached of it before is
-    /// dropped and the open file's attributes are read again.
-    pub(super) fn hold_file(
-        &self,
-        ino: u64,
-        mode: LockMode,
-        range: Option<Range>,
-    ) -> Result<Hold, Errno> {
-        let h = self.hold(ino, mode, range)?;
-        if h.fresh {
-            self.refresh_file(ino)?;
-        }
-        Ok(h)
-    }
-
     /// After taking a lock: the attributes, block count and extent map cached before it
     /// may predate another node's writes.
     fn refresh_file(&self, ino: u64) -> Result<(), Errno> {
@@ -509,14 +517,12 @@ impl Inner {
             .spawn(move || loop {
                 let job = match rx.recv_timeout(Duration::from_millis(200)) {
                     Ok(j) => j,
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                        match weak.upgrade() {
-                            Some(i) if !i.stopping.load(std::sync::atomic::Ordering::Acquire) => {
-                                continue
-                            }
-                            _ => return,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => match weak.upgrade() {
+                        Some(i) if !i.stopping.load(std::sync::atomic::Ordering::Acquire) => {
+                            continue
                         }
-                    }
+                        _ => return,
+                    },
                     Err(_) => return,
                 };
                 let Some(i) = weak.upgrade() else { return };
@@ -555,7 +561,18 @@ impl Inner {
                 }
             }
         }
+        // Never beside an acquire in flight: one that started while the lock was held
+        // would skip dropping what was cached, although another node may write between
+        // this release and its grant (found by tests/cluster.rs: three nodes appending
+        // lost a few records, written at an EOF read before another node's append).
+        while s.acquiring || s.refreshing {
+            s = e.wait(s);
+        }
+        if s.held != Some(held) {
+            return;
+        }
         let downgrade = held == LockMode::Exclusive && want == LockMode::Shared;
+        log::debug!("inode {ino}: giving way to {want:?} (held {held:?})");
         s.releasing = true;
         while s.users > 0 {
             s = e.wait(s);
@@ -720,7 +737,7 @@ impl Inner {
         if kind != FileType::Regular {
             return Ok(None);
         }
-        self.hold_file(ino, mode, None).map(Some)
+        self.hold(ino, mode, None).map(Some)
     }
 
     /// Gives back the locks over [`LOCKS_MAX`] (housekeeping).
@@ -742,10 +759,7 @@ mod tests {
     fn invalidation_goes_around_waiting_pages() {
         assert_eq!(around(&[]), vec![(0, u64::MAX)]);
         assert_eq!(around(&[(5000, 9000), (100, 200)]), vec![(12288, u64::MAX)]);
-        assert_eq!(
-            around(&[(8192, 8193)]),
-            vec![(0, 8192), (12288, u64::MAX)]
-        );
+        assert_eq!(around(&[(8192, 8193)]), vec![(0, 8192), (12288, u64::MAX)]);
         assert!(covers(&[(0, 4096)], (4095, 4097)));
         assert!(!covers(&[(0, 4096)], (4096, 8192)));
     }

@@ -217,7 +217,7 @@ impl Inner {
         };
         let _held = match d.kind {
             FileType::Regular => {
-                match self.hold_file(d.ino.0, meta::cachelock::LockMode::Shared, None) {
+                match self.hold(d.ino.0, meta::cachelock::LockMode::Shared, None) {
                     Ok(h) => Some(h),
                     Err(Errno::ENOENT) => return Ok(self.negative_entry()),
                     Err(e) => return Err(e),

@@ -281,23 +281,20 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
                 attr: attr.clone(),
                 deleted: !put,
             };
+            let regular = attr
+                .as_ref()
+                .is_none_or(|a| a.kind == meta::types::FileType::Regular);
             if let Some(k) = i.caches.event(rev, &e) {
-                let k = refine_inode(i, k, attr.as_ref());
-                // A regular file's pages are the cache locks' to drop, by the holder
-                // before it gives the lock up; from here, a page a READ waiting for the
-                // lock has locked would stall this thread, and with it the watch events
-                // that READ waits for.
-                let k = match k {
-                    Kernel::InvalInode { ino, .. }
-                        if attr
-                            .as_ref()
-                            .is_none_or(|a| a.kind == meta::types::FileType::Regular) =>
-                    {
-                        Kernel::InvalInode { ino, data: false }
-                    }
-                    k => k,
-                };
-                kernel.push(k);
+                // A regular file's pages and attributes are the cache locks' to drop (by
+                // the holder, before it gives the lock up), not this thread's. Dropping
+                // its pages here could stall the watch on a page that a READ waiting for
+                // the lock has locked, and that READ waits for the watch's events; and
+                // dropping its attributes here makes the kernel discard the answer of a
+                // GETATTR in flight, which had waited for exactly this commit (found by
+                // tests/cluster.rs: a reader's size stayed 0 after the writer's write).
+                if !regular {
+                    kernel.push(refine_inode(i, k, attr.as_ref()));
+                }
             }
         }
         Some(KeyKind::Dentry(parent, name)) => {

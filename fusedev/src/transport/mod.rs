@@ -263,6 +263,10 @@ impl Session {
             ring_linger: cfg.ring_linger,
             notify_gate: Arc::default(),
         });
+        shared.handler.notifier_ready(Notifier {
+            mount: shared.mount.clone(),
+            gate: shared.notify_gate.clone(),
+        });
         let wakers = Arc::new(Mutex::new(Vec::new()));
         let mut threads = Vec::new();
         let mut sideband_thread = None;
