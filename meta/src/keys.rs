@@ -19,6 +19,10 @@
 //! <p>/M<session:8>             NodeRecord              the session's  Session::register
 //! <p>/G<group:4>               GroupOwner {session}    owner's lease  Session::claim_group
 //! <p>/O<ino:8>                 Orphan {session}        -              unlink-while-open
+//! <p>/H<ino:8><session:8>      Owner {session}         the session's  first open of the file on
+//!                                                                     that node (create: same
+//!                                                                     txn); deleted at its last
+//!                                                                     close there (Hold/Unhold)
 //! <p>/F<group:4>               free map (opaque here;  -              mkfs; SetExtents (allocs,
 //!                              src/data/alloc.rs)                     same txn); FreeMaps
 //! <p>/R<dev_off:8>             Released {len}          -              the mutation freeing the
@@ -51,6 +55,10 @@
 //! * Liveness is etcd leases: `M` and `G` keys carry the owning session's lease and vanish
 //!   when it expires. Orphans (`O`) do not: they must outlive a crash so that another node
 //!   can see that the owner session is gone and reclaim the inode.
+//! * Open records (`H`) say which nodes have a file open, so that an unlink on any node
+//!   keeps the inode (as an orphan) while one of them does. They carry the holder's lease:
+//!   a node that dies holds nothing once its lease ends. The inode comes first in the key,
+//!   so "is it open anywhere" is one range read (or range compare) over `H<ino>`.
 
 use std::fmt::Write as _;
 
@@ -72,6 +80,7 @@ mod tag {
     pub(super) const FREE_MAP: u8 = b'F';
     pub(super) const RELEASED: u8 = b'R';
     pub(super) const SPACE_WANTED: u8 = b'W';
+    pub(super) const HELD: u8 = b'H';
 }
 
 /// The default filesystem prefix.
@@ -119,6 +128,8 @@ pub enum KeyKind {
     Released(u64),
     /// `W<session>`
     SpaceWanted(SessionId),
+    /// `H<ino><session>`
+    Held(Ino, SessionId),
 }
 
 /// Error for an unusable `--prefix`.
@@ -346,6 +357,19 @@ impl Keyspace {
         self.key_u64(tag::SPACE_WANTED, session.0)
     }
 
+    /// `H<ino><session>`: `session` has `ino` open.
+    pub fn held(&self, ino: Ino, session: SessionId) -> Vec<u8> {
+        let mut k = self.key(tag::HELD, 16);
+        k.extend_from_slice(&ino.0.to_be_bytes());
+        k.extend_from_slice(&session.0.to_be_bytes());
+        k
+    }
+
+    /// Every open record of `ino` (the sessions that have it open).
+    pub fn holders(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::HELD, ino.0)
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -377,6 +401,10 @@ impl Keyspace {
                 let (i, o) = (body.get(..8)?, body.get(8..)?);
                 KeyKind::Extent(Ino(u64_at(i)?), u64_at(o)?)
             }
+            tag::HELD => {
+                let (i, s) = (body.get(..8)?, body.get(8..)?);
+                KeyKind::Held(Ino(u64_at(i)?), SessionId(u64_at(s)?))
+            }
             tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             tag::FREE_MAP => KeyKind::FreeMap(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             _ => return None,
@@ -402,6 +430,7 @@ impl Keyspace {
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
             Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
             Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
+            Some(KeyKind::Held(i, s)) => format!("{p}H {i} by {s}"),
             None => escape(key),
         }
     }
@@ -492,6 +521,10 @@ mod tests {
                 k.space_wanted(SessionId(6)),
                 KeyKind::SpaceWanted(SessionId(6)),
             ),
+            (
+                k.held(Ino(4), SessionId(6)),
+                KeyKind::Held(Ino(4), SessionId(6)),
+            ),
         ];
         for (key, kind) in cases {
             assert_eq!(k.parse(&key), Some(kind), "{}", k.describe(&key));
@@ -532,6 +565,22 @@ mod tests {
         let r = k.extents_between(Ino(1), 10, 20);
         assert!(r.start <= k.extent(Ino(1), 10) && k.extent(Ino(1), 19) < r.end);
         assert!(k.extent(Ino(1), 20) >= r.end);
+    }
+
+    #[test]
+    fn holders_range_covers_exactly_one_inode() {
+        let k = ks();
+        let r = k.holders(Ino(7));
+        for s in [0, 1, u64::MAX] {
+            let key = k.held(Ino(7), SessionId(s));
+            assert!(r.start <= key && key < r.end);
+        }
+        for other in [
+            k.held(Ino(6), SessionId(u64::MAX)),
+            k.held(Ino(8), SessionId(0)),
+        ] {
+            assert!(!(r.start <= other && other < r.end));
+        }
     }
 
     #[test]

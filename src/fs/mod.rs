@@ -50,6 +50,7 @@ mod dir;
 mod dispatch;
 mod errno;
 mod files;
+mod held;
 mod lookup;
 mod namespace;
 mod open;
@@ -462,6 +463,8 @@ pub(crate) struct Inner {
     /// Another node asked for space (its `W` record): housekeeping hands groups back.
     space_wanted: AtomicBool,
     files: Files,
+    /// This node's open records (files open anywhere stay whole: `held.rs`).
+    held: held::Held,
     dirs: Mutex<HashMap<u64, DirHandle>>,
     next_fh: AtomicU64,
     stopping: AtomicBool,
@@ -586,6 +589,7 @@ impl EtcFs {
             claiming: Mutex::new(()),
             space_wanted: AtomicBool::new(false),
             files: Files::default(),
+            held: held::Held::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -639,7 +643,8 @@ fn node_name() -> String {
         .unwrap_or_else(|| "etcfs-node".into())
 }
 
-/// Periodically claims groups when none are owned and reclaims orphans of dead nodes
+/// Periodically claims groups when none are owned, reclaims orphans nobody holds open and
+/// folds other nodes' frees in our groups
 /// (after a crash the old session's lease needs its TTL to expire first).
 fn housekeeping(inner: std::sync::Weak<Inner>) {
     loop {
@@ -651,6 +656,9 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
             match inner.upgrade() {
                 Some(i) if !i.stopping.load(Ordering::Acquire) => {
                     i.commit_aged();
+                    if waited.as_millis() % 1000 < step.as_millis() {
+                        i.fold_released();
+                    }
                     if i.space_wanted.swap(false, Ordering::AcqRel) {
                         i.hand_back_groups();
                     }
