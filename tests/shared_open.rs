@@ -144,7 +144,7 @@ fn expect_free_at_least(mnt: &Path, want: u64, within: Duration, what: &str) -> 
     assert!(
         ok,
         "{what}: {free} blocks free after {within:?}, want at least {want} ({} MiB short)",
-        (want - free) * BLOCK >> 20
+        ((want - free) * BLOCK) >> 20
     );
     t0.elapsed()
 }
@@ -176,7 +176,7 @@ fn unlinked_elsewhere_stays_whole_until_closed() {
     loud(&format!(
         "unlinked_elsewhere: filled {} MiB, {} KiB left",
         filled >> 20,
-        free_full * BLOCK >> 10
+        (free_full * BLOCK) >> 10
     ));
     let got = read_all_direct(&held, HELD_BYTES);
     assert_same_bytes(

@@ -237,7 +237,7 @@ impl Inner {
                     for (o, r) in chunk.iter().zip(resp.responses) {
                         if let meta::kv::TxnOpResponse::Range(rr) = r {
                             if rr.kvs.is_empty() {
-                                out.push(o.clone());
+                                out.push(*o);
                             }
                         }
                     }
