@@ -40,7 +40,8 @@
 //!
 //! Kernel references (LOOKUP counts) need no table: inode numbers are never reused and
 //! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
-//! unlinked file alive is the open count, through an orphan record in etcd.
+//! unlinked file alive is the open records of the nodes that have it open (`held.rs`),
+//! through an orphan record in etcd.
 
 #[cfg(test)]
 mod alloc_tests;
