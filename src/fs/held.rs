@@ -40,6 +40,15 @@
 //!   none of its own in-flight frees can be folded twice. A record written by its own
 //!   commit whose bookkeeping had not yet run when it was folded is remembered
 //!   ([`Held::folded`]), and that bookkeeping then skips it.
+//!
+//! # Cost
+//!
+//! A create-and-open costs nothing more; a first open of an existing file one commit after
+//! its attribute read, and a node's last close of a file one commit. On the 2-CPU
+//! development VM (loaded), 2000 files: create+close 596 → 445/s, open+close 982 → 273/s
+//! single-threaded (540 → 414/s and 1575 → 642/s with 8 threads). Not done yet: sending
+//! the `Hold` alongside the attribute read (one round trip instead of two), and answering
+//! RELEASE before the `Unhold` commits.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
