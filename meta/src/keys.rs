@@ -19,6 +19,10 @@
 //! <p>/M<session:8>             NodeRecord              the session's  Session::register
 //! <p>/G<group:4>               GroupOwner {session}    owner's lease  Session::claim_group
 //! <p>/O<ino:8>                 Orphan {session}        -              unlink-while-open
+//! <p>/H<ino:8><session:8>      Owner {session}         the session's  first open of the file on
+//!                                                                     that node (create: same
+//!                                                                     txn); deleted at its last
+//!                                                                     close there (Hold/Unhold)
 //! <p>/F<group:4>               free map (opaque here;  -              mkfs; SetExtents (allocs,
 //!                              src/data/alloc.rs)                     same txn); FreeMaps
 //! <p>/R<dev_off:8>             Released {len}          -              the mutation freeing the
@@ -55,6 +59,10 @@
 //! * Liveness is etcd leases: `M` and `G` keys carry the owning session's lease and vanish
 //!   when it expires. Orphans (`O`) do not: they must outlive a crash so that another node
 //!   can see that the owner session is gone and reclaim the inode.
+//! * Open records (`H`) say which nodes have a file open, so that an unlink on any node
+//!   keeps the inode (as an orphan) while one of them does. They carry the holder's lease:
+//!   a node that dies holds nothing once its lease ends. The inode comes first in the key,
+//!   so "is it open anywhere" is one range read (or range compare) over `H<ino>`.
 
 use std::fmt::Write as _;
 
@@ -78,6 +86,7 @@ mod tag {
     pub(super) const SPACE_WANTED: u8 = b'W';
     pub(super) const CACHE_LOCK: u8 = b'K';
     pub(super) const CACHE_WANT: u8 = b'Q';
+    pub(super) const HELD: u8 = b'H';
 }
 
 /// The default filesystem prefix.
@@ -129,6 +138,8 @@ pub enum KeyKind {
     CacheLock(Ino, SessionId),
     /// `Q<ino><session>`
     CacheWant(Ino, SessionId),
+    /// `H<ino><session>`
+    Held(Ino, SessionId),
 }
 
 /// Error for an unusable `--prefix`.
@@ -377,6 +388,16 @@ impl Keyspace {
         self.ino_session(tag::CACHE_WANT, ino, session)
     }
 
+    /// `H<ino><session>`: `session` has `ino` open.
+    pub fn held(&self, ino: Ino, session: SessionId) -> Vec<u8> {
+        self.ino_session(tag::HELD, ino, session)
+    }
+
+    /// Every open record of `ino` (the sessions that have it open).
+    pub fn holders(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::HELD, ino.0)
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -417,6 +438,10 @@ impl Keyspace {
                     KeyKind::CacheWant(i, o)
                 }
             }
+            tag::HELD => {
+                let (i, s) = (body.get(..8)?, body.get(8..)?);
+                KeyKind::Held(Ino(u64_at(i)?), SessionId(u64_at(s)?))
+            }
             tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             tag::FREE_MAP => KeyKind::FreeMap(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             _ => return None,
@@ -444,6 +469,7 @@ impl Keyspace {
             Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
             Some(KeyKind::CacheLock(i, s)) => format!("{p}K {i} {s}"),
             Some(KeyKind::CacheWant(i, s)) => format!("{p}Q {i} {s}"),
+            Some(KeyKind::Held(i, s)) => format!("{p}H {i} by {s}"),
             None => escape(key),
         }
     }
@@ -542,6 +568,10 @@ mod tests {
                 k.cache_want(Ino(7), SessionId(8)),
                 KeyKind::CacheWant(Ino(7), SessionId(8)),
             ),
+            (
+                k.held(Ino(4), SessionId(6)),
+                KeyKind::Held(Ino(4), SessionId(6)),
+            ),
         ];
         for (key, kind) in cases {
             assert_eq!(k.parse(&key), Some(kind), "{}", k.describe(&key));
@@ -582,6 +612,22 @@ mod tests {
         let r = k.extents_between(Ino(1), 10, 20);
         assert!(r.start <= k.extent(Ino(1), 10) && k.extent(Ino(1), 19) < r.end);
         assert!(k.extent(Ino(1), 20) >= r.end);
+    }
+
+    #[test]
+    fn holders_range_covers_exactly_one_inode() {
+        let k = ks();
+        let r = k.holders(Ino(7));
+        for s in [0, 1, u64::MAX] {
+            let key = k.held(Ino(7), SessionId(s));
+            assert!(r.start <= key && key < r.end);
+        }
+        for other in [
+            k.held(Ino(6), SessionId(u64::MAX)),
+            k.held(Ino(8), SessionId(0)),
+        ] {
+            assert!(!(r.start <= other && other < r.end));
+        }
     }
 
     #[test]

@@ -3,9 +3,9 @@
 //! A [`Session`] is one daemon's lifetime: it grants a lease, registers `M<session>`
 //! under it, keeps it alive, and claims allocation groups (`G<group>`, also under the
 //! lease) by compare-and-swap. When the daemon dies its lease expires and etcd deletes
-//! the membership and group keys: the groups become claimable, and its orphan records
-//! (which are deliberately not leased) become reclaimable by anyone, via
-//! [`dead_orphans`].
+//! the membership, group and open-record (`H`) keys: the groups become claimable, and
+//! the orphans only it held open (orphan records are deliberately not leased) become
+//! reclaimable by anyone.
 //!
 //! A lease alone does not stop a stalled node from writing to the shared device after
 //! it expired: use [`Session::group_fence`] as a compare on commits that depend on
@@ -329,8 +329,9 @@ pub async fn group_owners(
         .collect()
 }
 
-/// Orphans whose owning session is gone (its membership key expired): these inodes
-/// are no longer open anywhere and can be reclaimed with `Mutation::ReclaimOrphan`.
+/// Orphans whose unlinking session is gone (its membership key expired). Another node may
+/// still have one open (its `H` record): `Mutation::ReclaimOrphan` checks that and does
+/// nothing then. The filesystem scans for orphans without open records instead.
 pub async fn dead_orphans(
     kv: &dyn KvBackend,
     keys: &Keyspace,

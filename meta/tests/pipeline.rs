@@ -85,6 +85,7 @@ fn create(parent: Ino, name: &str, kind: FileType) -> Mutation {
             flags: 0,
         },
         symlink: None,
+        hold: false,
     }
 }
 

@@ -113,6 +113,7 @@ async fn crash_frees_groups_and_orphans_on_model() {
         name: b"f".to_vec(),
         inode: new,
         symlink: None,
+        hold: false,
     };
     apply(&*kv, &keys, create, &a, Some(f)).await;
     let unlink = Mutation::Unlink {

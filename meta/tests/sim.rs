@@ -55,6 +55,7 @@ fn to_mutation(op: &Op, seen: Option<&Seen>) -> Mutation {
                 flags: 0,
             },
             symlink: None,
+            hold: false,
         },
         Op::Unlink(p, n) => {
             let expect = seen.and_then(|s| s.get(&(p, n.clone()))).map(|a| {
@@ -240,6 +241,7 @@ fn run_seed(seed: u64) {
                 flags: 0,
             },
             symlink: None,
+            hold: false,
         };
         dirs.push(c0.commit(m).unwrap().ino.unwrap());
     }

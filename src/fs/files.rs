@@ -354,10 +354,6 @@ impl Files {
         self.table().get(&ino).map(|(_, st)| st.clone())
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.table().is_empty()
-    }
-
     pub(crate) fn all(&self) -> Vec<u64> {
         self.table().keys().copied().collect()
     }

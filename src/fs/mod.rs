@@ -40,7 +40,8 @@
 //!
 //! Kernel references (LOOKUP counts) need no table: inode numbers are never reused and
 //! every inode is read from etcd when asked, so FORGET has nothing to drop. What keeps an
-//! unlinked file alive is the open count, through an orphan record in etcd.
+//! unlinked file alive is the open records of the nodes that have it open (`held.rs`),
+//! through an orphan record in etcd.
 
 #[cfg(test)]
 mod alloc_tests;
@@ -50,6 +51,7 @@ mod dir;
 mod dispatch;
 mod errno;
 mod files;
+mod held;
 mod locks;
 mod lookup;
 mod namespace;
@@ -466,6 +468,8 @@ pub(crate) struct Inner {
     files: Files,
     /// Cluster cache locks of regular files (`locks.rs`).
     locks: locks::LockTable,
+    /// This node's open records (files open anywhere stay whole: `held.rs`).
+    held: held::Held,
     dirs: Mutex<HashMap<u64, DirHandle>>,
     next_fh: AtomicU64,
     stopping: AtomicBool,
@@ -592,6 +596,7 @@ impl EtcFs {
             space_wanted: AtomicBool::new(false),
             files: Files::default(),
             locks: locks::LockTable::new(cache_locks),
+            held: held::Held::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -649,7 +654,8 @@ fn node_name() -> String {
         .unwrap_or_else(|| "etcfs-node".into())
 }
 
-/// Periodically claims groups when none are owned and reclaims orphans of dead nodes
+/// Periodically claims groups when none are owned, reclaims orphans nobody holds open and
+/// folds other nodes' frees in our groups
 /// (after a crash the old session's lease needs its TTL to expire first).
 fn housekeeping(inner: std::sync::Weak<Inner>) {
     loop {
@@ -661,6 +667,9 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
             match inner.upgrade() {
                 Some(i) if !i.stopping.load(Ordering::Acquire) => {
                     i.commit_aged();
+                    if waited.as_millis() % 1000 < step.as_millis() {
+                        i.fold_released();
+                    }
                     if i.space_wanted.swap(false, Ordering::AcqRel) {
                         i.hand_back_groups();
                     }

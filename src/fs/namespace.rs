@@ -19,6 +19,26 @@ impl Inner {
         rdev: u64,
         symlink: Option<Vec<u8>>,
     ) -> Result<(InodeAttr, i64), Errno> {
+        self.make_node_held(h, parent, name, kind, mode, rdev, symlink, false)
+    }
+
+    /// [`Inner::make_node`]; `hold`: a create-and-open, whose open record goes in the
+    /// create's transaction (`held.rs`).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one call per node kind; a struct would only rename the arguments"
+    )]
+    fn make_node_held(
+        &self,
+        h: &abi::InHeader,
+        parent: u64,
+        name: &[u8],
+        kind: FileType,
+        mode: u32,
+        rdev: u64,
+        symlink: Option<Vec<u8>>,
+        hold: bool,
+    ) -> Result<(InodeAttr, i64), Errno> {
         fusedev::names::check_entry_name(name)?;
         if name == b"." || name == b".." {
             return Err(Errno::EEXIST);
@@ -53,6 +73,7 @@ impl Inner {
                 flags: 0,
             },
             symlink,
+            hold,
         })?;
         if kind == FileType::Regular {
             // Its lock was taken in the create's own transaction.
@@ -80,13 +101,17 @@ impl Inner {
             })),
             Lookup::Absent | Lookup::Unknown { .. } => None,
         };
+        let keep_open = !dir
+            && expect
+                .as_ref()
+                .is_some_and(|e| self.held.is_held(e.entry.ino.0));
         let m = Mutation::Unlink {
             parent: Ino(parent),
             name: name.to_vec(),
             dir,
-            // Orphan the inode if any file is open here; a file that turns out not to be
-            // open is reclaimed right after (see after_commit).
-            keep_open: !dir && !self.files.is_empty(),
+            // Held open here: kept as an orphan without reading the open records (which
+            // decide otherwise, every node's).
+            keep_open,
             expect,
         };
         self.commit(m)?;
@@ -118,7 +143,8 @@ impl Inner {
             dst_parent: Ino(newdir),
             dst_name: newname.to_vec(),
             mode,
-            dst_keep_open: !self.files.is_empty(),
+            // The plan reads the destination's open records, every node's.
+            dst_keep_open: false,
         })?;
         Ok(Done::Empty)
     }
@@ -156,8 +182,13 @@ impl Inner {
         mode: u32,
     ) -> Result<Done, Errno> {
         let mut held = None;
-        let (attr, rev) = match self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None)
-        {
+        let mark = self.held.mark();
+        let made = self.make_node_held(h, h.nodeid, name, FileType::Regular, mode, 0, None, true);
+        let created = made.as_ref().ok().map(|(a, _)| a.ino.0);
+        if let Some(ino) = created {
+            self.held.adopt(ino, &mark);
+        }
+        let (attr, rev) = match made {
             Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
                 // Another creator won; behave as open(2) does.
                 let d = self.resolve_one(h.nodeid, name)?.ok_or(Errno::ENOENT)?;
@@ -174,9 +205,14 @@ impl Inner {
         if attr.kind == FileType::Directory {
             return Err(Errno::EISDIR);
         }
-        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone(), rev)? {
-            Done::Bytes(b) => b,
-            _ => return Err(Errno::EIO),
+        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone(), rev) {
+            Ok(Done::Bytes(b)) => b,
+            r => {
+                if let Some(ino) = created {
+                    self.unhold_created(ino);
+                }
+                return Err(r.err().unwrap_or(Errno::EIO));
+            }
         };
         // The file may exist already (another creator won, or O_CREAT without O_EXCL),
         // with blocks of its own.

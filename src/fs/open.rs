@@ -1,6 +1,6 @@
 //! Open, close and fsync of files: the open-file table entry, the mtime of in-place
 //! overwrites written at FLUSH/RELEASE, pending writes committed at close and fsync, and
-//! the last close of an unlinked file reclaiming it.
+//! the last close of an unlinked file reclaiming it (with its open record: `held.rs`).
 
 use super::*;
 use meta::cachelock::LockMode;
@@ -58,7 +58,15 @@ impl Inner {
         let fh = self.new_fh();
         let mut open_flags = 0;
         if attr.kind == FileType::Regular {
-            let st = self.files.open(ino, attr.clone(), rev)?;
+            // The open record first: from its commit on, no node frees the file's blocks.
+            self.hold_open(ino)?;
+            let st = match self.files.open(ino, attr.clone(), rev) {
+                Ok(st) => st,
+                Err(e) => {
+                    self.unhold_open(ino);
+                    return Err(e);
+                }
+            };
             if truncates(flags) && attr.size != 0 {
                 if let Err(e) = self.truncate(&st, 0, SetAttr::default()) {
                     self.release_file(ino);
@@ -76,8 +84,15 @@ impl Inner {
         }))
     }
 
-    /// Drops one open of a regular file; the last close of an orphan deletes it.
+    /// Drops one open of a regular file; the last close anywhere of an orphan deletes it.
     pub(super) fn release_file(&self, ino: u64) {
+        self.release_state(ino);
+        self.unhold_open(ino);
+    }
+
+    /// Drops one use of a file's open state (an open, or a truncate of a file not open,
+    /// which holds no open record).
+    pub(super) fn release_state(&self, ino: u64) {
         // Pending writes commit while the file is still in the table (a failed attempt
         // stays pending for the next trigger); an orphan's are dropped at its last close.
         let dirty = self.files.is_dirty(ino);
@@ -107,9 +122,9 @@ impl Inner {
             }
             let orphan = f.orphaned;
             drop(f);
+            // An orphan is reclaimed by the last close anywhere (`unhold`).
             if orphan {
                 st.lock().mtime_dirty = None;
-                self.reclaim_orphan(Ino(ino));
             } else {
                 self.persist_mtime(&st);
             }

@@ -70,6 +70,11 @@ impl Inner {
                 dev_off: part.dev_off(),
                 len: part.byte_len(),
             };
+            if self.held.take_folded(part) {
+                // Folded from its released record before we got here (`fold_released`).
+                done.push(range);
+                continue;
+            }
             match a.free(part) {
                 Ok(g) => {
                     changed.extend(g);
@@ -315,21 +320,10 @@ impl Inner {
         Ok(true)
     }
 
+    /// Orphans are kept by open records, which vanish with their node's lease: those no
+    /// node holds any more are reclaimed (`held.rs`).
     pub(super) fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
-        let dead = run_read(&self.meta, |kv, keys| {
-            Box::pin(
-                async move { meta::session::dead_orphans(&*kv, &keys, ORPHAN_RECLAIM_BATCH).await },
-            )
-        })?;
-        for o in dead {
-            log::info!(
-                "reclaiming inode {} left open by dead session {}",
-                o.ino,
-                o.session
-            );
-            self.reclaim_orphan(o.ino);
-        }
-        Ok(())
+        self.reclaim_unheld_orphans()
     }
 
     /// Free blocks of the groups this node owns (tests).

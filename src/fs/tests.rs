@@ -1891,3 +1891,128 @@ fn a_refused_namespace_change_makes_cached_names_stale() {
     assert_eq!(a.lookup(ROOT, b"x").nodeid, 0);
     assert!(counter(&a, "kernel_epochs") >= 1);
 }
+
+/// Keys of the model between two tag bytes (`t/<from>` up to `t/<to>`).
+fn keys_of(fx: &Fx, from: &[u8], to: &[u8]) -> usize {
+    fx.kv.dump(from, to).len()
+}
+
+/// Node B has a file open that node A unlinks: B reads it whole, A does not free it; B's
+/// close reclaims it, and A (which owns the blocks' groups) gets the space back. Before
+/// open records, A deleted the inode and its extents at once.
+#[test]
+fn a_file_open_on_another_node_lives_until_its_last_close_there() {
+    let mut a = Fx::new();
+    let free0 = a.statfs().bfree;
+    let (ino, fh) = a.create(ROOT, b"f");
+    let data = pattern(11, 300_000);
+    a.write(ino, fh, 0, &data);
+    a.release(ino, fh);
+    assert_eq!(keys_of(&a, b"t/H", b"t/I"), 0, "closed: no open record");
+    let mut b = second_mount(&a);
+    let bino = b.lookup(ROOT, b"f").nodeid;
+    assert_eq!(bino, ino);
+    let bfh = b.open(ino);
+    assert_eq!(keys_of(&a, b"t/H", b"t/I"), 1, "B's open record");
+    a.ok(ROOT, Operation::Unlink { name: b"f" });
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 1, "kept as an orphan");
+    // A writes more than the file held: were its blocks free, some would be reused.
+    let (g, gfh) = a.create(ROOT, b"g");
+    a.write(g, gfh, 0, &pattern(12, 600_000));
+    a.release(g, gfh);
+    assert_eq!(b.read(ino, bfh, 0, 300_000), data, "B reads the file whole");
+    b.release(ino, bfh);
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 0, "reclaimed at B's close");
+    assert_eq!(keys_of(&a, b"t/H", b"t/I"), 0, "no open record left");
+    // The blocks lie in A's groups: A folds B's released records into its maps.
+    a.ok(ROOT, Operation::Unlink { name: b"g" });
+    within("the space back on A", Duration::from_secs(10), || {
+        a.statfs().bfree == free0
+    });
+    within("no released record left", Duration::from_secs(5), || {
+        keys_of(&a, b"t/R", b"t/S") == 0
+    });
+    assert_eq!(b.statfs().bfree, free0, "B sees it too");
+}
+
+/// Rename over a file another node has open: the same as an unlink.
+#[test]
+fn a_file_renamed_over_while_open_on_another_node_lives_until_closed_there() {
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"f");
+    let data = pattern(13, 100_000);
+    a.write(ino, fh, 0, &data);
+    a.release(ino, fh);
+    let (g, gfh) = a.create(ROOT, b"g");
+    a.release(g, gfh);
+    let mut b = second_mount(&a);
+    assert_eq!(b.lookup(ROOT, b"f").nodeid, ino);
+    let bfh = b.open(ino);
+    a.ok(
+        ROOT,
+        Operation::Rename {
+            newdir: ROOT,
+            flags: 0,
+            name: b"g",
+            newname: b"f",
+        },
+    );
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 1, "kept as an orphan");
+    assert_eq!(b.read(ino, bfh, 0, 100_000), data);
+    b.release(ino, bfh);
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 0, "reclaimed at B's close");
+}
+
+/// Open on both nodes when unlinked: the first close leaves it, the last reclaims it,
+/// whichever node that is.
+#[test]
+fn the_last_close_anywhere_reclaims() {
+    let mut a = Fx::new();
+    let free0 = a.statfs().bfree;
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.write(ino, fh, 0, &pattern(14, 50_000));
+    a.fsync(ino, fh);
+    let mut b = second_mount(&a);
+    assert_eq!(b.lookup(ROOT, b"f").nodeid, ino);
+    let bfh = b.open(ino);
+    b.ok(ROOT, Operation::Unlink { name: b"f" });
+    a.release(ino, fh);
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 1, "B still has it open");
+    assert_eq!(b.read(ino, bfh, 0, 50_000), pattern(14, 50_000));
+    b.release(ino, bfh);
+    assert_eq!(
+        keys_of(&a, b"t/O", b"t/P"),
+        0,
+        "reclaimed at the last close"
+    );
+    within("the space back on A", Duration::from_secs(10), || {
+        a.statfs().bfree == free0
+    });
+}
+
+/// A node that dies holding an unlinked file: its open record goes with its session, and
+/// a live node's orphan scan reclaims the file although the unlinker is alive.
+#[test]
+fn an_orphan_held_by_a_dead_node_is_reclaimed_by_a_live_one() {
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.write(ino, fh, 0, &pattern(15, 50_000));
+    a.release(ino, fh);
+    let mut b = second_mount(&a);
+    assert_eq!(b.lookup(ROOT, b"f").nodeid, ino);
+    let _bfh = b.open(ino);
+    a.ok(ROOT, Operation::Unlink { name: b"f" });
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 1);
+    a.fs.inner().reclaim_dead_orphans().unwrap();
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 1, "held by B: not reclaimed");
+    // B "dies": its session ends without its files being closed.
+    b.fs.inner().files.close(ino);
+    b.fs.destroy();
+    assert_eq!(
+        keys_of(&a, b"t/H", b"t/I"),
+        0,
+        "B's record went with its lease"
+    );
+    a.fs.inner().reclaim_dead_orphans().unwrap();
+    assert_eq!(keys_of(&a, b"t/O", b"t/P"), 0, "reclaimed by A");
+}

@@ -120,6 +120,9 @@ pub enum Mutation {
         inode: NewInode,
         /// Symlink target (required iff `inode.kind` is Symlink).
         symlink: Option<Vec<u8>>,
+        /// create-and-open of a regular file: this session's open record (`H`, see
+        /// [`Mutation::Hold`]) goes in the same transaction, so the open costs nothing more.
+        hold: bool,
     },
     /// link: a new name for an existing non-directory.
     Link {
@@ -138,8 +141,11 @@ pub enum Mutation {
         name: Vec<u8>,
         /// rmdir semantics (must be an empty directory).
         dir: bool,
-        /// This node still has the file open: on the last link, keep the inode with an
-        /// orphan record owned by this session instead of deleting it.
+        /// This node still has the file open (its open record exists): on the last link,
+        /// keep the inode with an orphan record instead of deleting it, without reading the
+        /// open records. Otherwise the inode's open records decide, every node's: read
+        /// (and compared), or, when planning from `expect`, compared empty (a file open
+        /// elsewhere fails that compare and the retry reads them).
         keep_open: bool,
         /// What the submitter's caches say the name and inodes hold. When given, the plan
         /// uses it instead of reading etcd and guards it with value compares, so an
@@ -159,7 +165,9 @@ pub enum Mutation {
         dst_name: Vec<u8>,
         /// Replace / NoReplace / Exchange.
         mode: RenameMode,
-        /// A replaced destination is open on this node (see `Unlink::keep_open`).
+        /// A replaced destination is open on this node (see `Unlink::keep_open`). A
+        /// rename reads the destination's open records anyway, so either way an inode
+        /// open anywhere is kept.
         dst_keep_open: bool,
     },
     /// setattr.
@@ -218,8 +226,23 @@ pub enum Mutation {
         /// same transaction.
         released: Vec<u64>,
     },
-    /// Delete an orphan inode (last close, or reclaim after its session died).
+    /// Delete an orphan inode (its last open record went, or the unlink could not free it
+    /// in one transaction). Does nothing while any node has it open (an `H` record).
     ReclaimOrphan {
+        /// The inode.
+        ino: Ino,
+    },
+    /// The first open of a regular file on this node: its open record `H<ino><session>`
+    /// under the session's lease, while the inode exists (compared).
+    Hold {
+        /// The inode.
+        ino: Ino,
+    },
+    /// The last close of a file on this node: deletes its open record; when the inode is
+    /// an orphan that nobody else has open, reclaims it in the same transaction (a file
+    /// with more extents than one transaction frees says `reclaim_more`, and the rest goes
+    /// by `ReclaimOrphan`).
+    Unhold {
         /// The inode.
         ino: Ino,
     },
@@ -278,6 +301,8 @@ impl Mutation {
             Mutation::SetExtents { .. } => "set_extents",
             Mutation::FreeMaps { .. } => "free_maps",
             Mutation::ReclaimOrphan { .. } => "reclaim_orphan",
+            Mutation::Hold { .. } => "hold",
+            Mutation::Unhold { .. } => "unhold",
             Mutation::Touch { .. } => "touch",
             Mutation::ReserveInos { .. } => "reserve_inos",
         }

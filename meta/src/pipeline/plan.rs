@@ -376,23 +376,33 @@ impl<'a> P<'a> {
         self.plan.outcome.freed.push(r);
     }
 
-    /// Drops one link of a non-directory: decrement, orphan, or delete.
-    fn drop_link(&mut self, mut attr: InodeAttr, keep_open: bool, no_extents: bool) -> R<()> {
+    /// Drops one link of a non-directory: decrement, orphan, or delete. The last link of
+    /// a regular file open on any node (an `H` record, see [`P::open_anywhere`]) leaves an
+    /// orphan, which the last close anywhere reclaims (`Unhold`).
+    fn drop_link(
+        &mut self,
+        mut attr: InodeAttr,
+        keep_open: bool,
+        blind: bool,
+        no_extents: bool,
+    ) -> R<()> {
         let k = self.keys();
         attr.ctime = self.ctx.now;
         if attr.nlink > 1 {
             attr.nlink -= 1;
             self.put(k.inode(attr.ino), &attr);
             self.plan.outcome.attr = Some(attr);
-        } else if keep_open
-            || (attr.kind == FileType::Regular
-                && !no_extents
-                && self.extents_exceed_one_txn(attr.ino)?)
-        {
-            // Kept as an orphan while open here; also when its extents cannot all be
+            return Ok(());
+        }
+        let regular = attr.kind == FileType::Regular;
+        // A submitter that holds the file keeps it without looking: its own `Unhold`
+        // reclaims it, or, if that raced ahead of this commit, the orphan scan does.
+        let open = keep_open || (regular && self.open_anywhere(attr.ino, blind)?);
+        if open || (regular && !no_extents && self.extents_exceed_one_txn(attr.ino)?) {
+            // Kept as an orphan while open somewhere; also when its extents cannot all be
             // logged as released in one transaction: the orphan is then reclaimed in
-            // chunks (`plan_reclaim`), and a crash part-way leaves it to the
-            // dead-session reclaim instead of leaking the rest.
+            // chunks (`plan_reclaim`), and a crash part-way leaves it to the orphan scan
+            // instead of leaking the rest.
             attr.nlink = 0;
             self.put(k.inode(attr.ino), &attr);
             self.put(
@@ -408,6 +418,51 @@ impl<'a> P<'a> {
         }
         Ok(())
     }
+
+    /// Whether any node has `ino` open, as this plan will commit it: from the open records
+    /// read (one that exists is compared unchanged, so its holder's close cannot slip in
+    /// between; none is compared still none, so no open can), or, `blind`, guessed "none"
+    /// and compared so (a wrong guess fails the commit, whose retry reads them).
+    fn open_anywhere(&mut self, ino: Ino, blind: bool) -> R<bool> {
+        let k = self.keys();
+        let req = holders_req(k, ino);
+        let r = match self.snap.range(&req) {
+            Some(r) => r,
+            None if blind => {
+                let h = k.holders(ino);
+                self.compare(Compare::range_empty(h.start, h.end));
+                return Ok(false);
+            }
+            None => return Err(Stop::Need(vec![req])),
+        };
+        if let Some(kv) = r.kvs.first() {
+            self.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
+            return Ok(true);
+        }
+        let h = k.holders(ino);
+        self.compare(Compare::range_empty(h.start, h.end));
+        Ok(false)
+    }
+
+    /// This session's open record of `ino`, under its lease (the session id is the lease
+    /// id): it goes with the session.
+    fn put_held(&mut self, ino: Ino) -> R<()> {
+        let session = self.ctx.session;
+        let lease = i64::try_from(session.0).map_err(|_| MetaError::Invalid("lease id"))?;
+        self.plan.ops.push(TxnOp::Put(crate::kv::PutOp {
+            key: self.keys().held(ino, session),
+            value: Owner { session }.encode(),
+            lease,
+        }));
+        Ok(())
+    }
+}
+
+/// The read [`P::open_anywhere`] and `Unhold` plan from (one shape, so a prefetch is found
+/// again): two keys, so that besides this session's own one, another holder shows.
+fn holders_req(k: &Keyspace, ino: Ino) -> RangeRequest {
+    let r = k.holders(ino);
+    RangeRequest::range(r.start, r.end).limit(2).keys_only()
 }
 
 /// The read [`P::drop_extents`] plans from (one shape, so a prefetch is found again).
@@ -482,7 +537,8 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             name,
             inode,
             symlink,
-        } => plan_create(&mut p, *parent, name, inode, symlink.as_deref()),
+            hold,
+        } => plan_create(&mut p, *parent, name, inode, symlink.as_deref(), *hold),
         Mutation::Link { ino, parent, name } => plan_link(&mut p, *ino, *parent, name),
         Mutation::Unlink {
             parent,
@@ -540,6 +596,8 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             Ok(())
         }
         Mutation::ReclaimOrphan { ino } => plan_reclaim(&mut p, *ino),
+        Mutation::Hold { ino } => plan_hold(&mut p, *ino),
+        Mutation::Unhold { ino } => plan_unhold(&mut p, *ino),
         Mutation::Touch { ino, mtime, ctime } => plan_touch(&mut p, *ino, *mtime, *ctime),
         Mutation::ReserveInos { count } => plan_reserve(&mut p, *count),
     };
@@ -556,6 +614,7 @@ fn plan_create(
     name: &[u8],
     new: &crate::pipeline::mutation::NewInode,
     symlink: Option<&[u8]>,
+    hold: bool,
 ) -> R<()> {
     check_name(name)?;
     let k = p.keys();
@@ -638,6 +697,9 @@ fn plan_create(
             .encode(),
             lease: i64::try_from(p.ctx.session.0).unwrap_or(0),
         }));
+    }
+    if hold && new.kind == FileType::Regular {
+        p.put_held(ino)?;
     }
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(attr);
@@ -779,8 +841,12 @@ fn plan_unlink(
     if !p.inode_known(child, child_exp) {
         need.push(RangeRequest::key(k.inode(child)));
         if !dir && entry.val.kind == FileType::Regular {
-            // Likely the last link: its extents are read (and released) in this round.
+            // Likely the last link: its extents are read (and released) in this round,
+            // and whether any node has it open.
             need.push(extents_req(k, child, 0));
+            if !keep_open {
+                need.push(holders_req(k, child));
+            }
         }
     }
     if dir && entry.val.kind == FileType::Directory {
@@ -837,10 +903,18 @@ fn plan_unlink(
     } else {
         // A cached size of 0 means no extents (checked by a compare, not a read).
         let no_extents = cattr.expected && cattr.val.size == 0;
+        // Planned from the caches alone (an expectation): the open records of an empty
+        // file are guessed none and compared so, rather than read. A file with extents
+        // reads them anyway, and its open records in the same round.
+        let blind = expect.is_some();
         if cattr.val.nlink <= 1 && !keep_open && !no_extents {
-            p.need(&[extents_req(k, child, 0)])?;
+            let mut need = vec![extents_req(k, child, 0)];
+            if cattr.val.kind == FileType::Regular {
+                need.push(holders_req(k, child));
+            }
+            p.need(&need)?;
         }
-        p.drop_link(cattr.val, keep_open, no_extents)?;
+        p.drop_link(cattr.val, keep_open, blind, no_extents)?;
         p.plan.touch.push((parent, true));
     }
     Ok(())
@@ -901,6 +975,10 @@ fn plan_rename(
     let mut need = vec![RangeRequest::key(k.inode(src.ino))];
     if let Some((d, _)) = dst {
         need.push(RangeRequest::key(k.inode(d.ino)));
+        if mode == RenameMode::Replace && d.kind == FileType::Regular {
+            // Replaced: whether any node has it open decides orphan or delete.
+            need.push(holders_req(k, d.ino));
+        }
     }
     p.need(&need)?;
     let (mut sattr, sirev) = p.inode(src.ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
@@ -991,7 +1069,7 @@ fn plan_rename(
                     *nlink.entry(dp).or_default() -= 1;
                     p.delete_inode_tree(dattr.ino, FileType::Directory, true)?;
                 } else {
-                    p.drop_link(dattr, dst_keep_open, false)?;
+                    p.drop_link(dattr, dst_keep_open, false, false)?;
                 }
             }
             p.delete(k.dentry(sp, sn));
@@ -1348,10 +1426,25 @@ fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
         RangeRequest::key(k.orphan(ino)),
         RangeRequest::key(k.inode(ino)),
         extents_req(k, ino, 0),
+        holders_req(k, ino),
     ])?;
     let okv = p
         .kv(&k.orphan(ino))?
         .ok_or(Stop::Fail(MetaError::NotFound))?;
+    if !p.range(holders_req(k, ino))?.kvs.is_empty() {
+        // Open somewhere: its holders' last close reclaims it (or, once their leases
+        // end, the orphan scan).
+        return Ok(());
+    }
+    let h = k.holders(ino);
+    p.compare(Compare::range_empty(h.start, h.end));
+    reclaim_orphan(p, ino, okv)
+}
+
+/// Reclaims orphan `ino` (its orphan record `okv` read) once nothing holds it open: the
+/// caller has compared that.
+fn reclaim_orphan(p: &mut P<'_>, ino: Ino, okv: &KeyValue) -> R<()> {
+    let k = p.keys();
     let _owner: Owner = p.decode(okv)?;
     p.compare(Compare::mod_rev(k.orphan(ino), okv.mod_revision));
     p.plan.outcome.ino = Some(ino);
@@ -1374,6 +1467,56 @@ fn plan_reclaim(p: &mut P<'_>, ino: Ino) -> R<()> {
     }
     p.delete(k.orphan(ino));
     Ok(())
+}
+
+/// The first open on this node: the open record, while the inode exists. Blind (no read):
+/// opening costs one write, grouped with others.
+fn plan_hold(p: &mut P<'_>, ino: Ino) -> R<()> {
+    let k = p.keys();
+    p.expect_present(&k.inode(ino))?;
+    p.compare(Compare::exists(k.inode(ino)));
+    p.put_held(ino)
+}
+
+/// The last close on this node. Usually blind: the record goes, compared "not an orphan".
+/// An orphan (that compare failed, or it was read) is reclaimed here when no other node
+/// holds it, in the same transaction as the record's delete, so that of two last closers
+/// racing on two nodes exactly one sees the other gone.
+fn plan_unhold(p: &mut P<'_>, ino: Ino) -> R<()> {
+    let k = p.keys();
+    let own = k.held(ino, p.ctx.session);
+    let okey = k.orphan(ino);
+    let okv = match p.snap.key(&okey) {
+        None | Some(None) => {
+            p.compare(Compare::absent(okey));
+            p.delete(own);
+            return Ok(());
+        }
+        Some(Some(okv)) => okv,
+    };
+    p.need(&[
+        RangeRequest::key(k.inode(ino)),
+        extents_req(k, ino, 0),
+        holders_req(k, ino),
+    ])?;
+    p.delete(own.clone());
+    let held = p.range(holders_req(k, ino))?;
+    if let Some(other) = held.kvs.iter().find(|kv| kv.key != own) {
+        // Another node still has it open: its close is the last. Compared, so that its
+        // close (which finds this record) cannot commit unseen in between.
+        p.compare(Compare::mod_rev(other.key.clone(), other.mod_revision));
+        p.compare(Compare::mod_rev(okey, okv.mod_revision));
+        return Ok(());
+    }
+    // Nobody else held it when read, and no open record has appeared since (ours is older).
+    let h = k.holders(ino);
+    p.compare(Compare {
+        key: h.start,
+        range_end: Some(h.end),
+        op: crate::kv::CompareOp::Less,
+        target: crate::kv::CompareTarget::ModRevision(held.revision + 1),
+    });
+    reclaim_orphan(p, ino, okv)
 }
 
 fn plan_touch(p: &mut P<'_>, ino: Ino, mtime: Option<Timespec>, ctime: Timespec) -> R<()> {

@@ -175,6 +175,7 @@ impl World {
             name: name.into(),
             inode: file(kind),
             symlink,
+            hold: false,
         };
         self.run(m).await.unwrap().ino.unwrap()
     }
@@ -235,6 +236,7 @@ async fn create_is_blind_one_txn() {
         name: b"f".to_vec(),
         inode: file(FileType::Regular),
         symlink: None,
+        hold: false,
     };
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
     let p = p.unwrap();
@@ -275,6 +277,7 @@ async fn create_is_blind_one_txn() {
         name: b"x".to_vec(),
         inode: file(FileType::Regular),
         symlink: None,
+        hold: false,
     };
     assert_eq!(
         w.plan(&orphan_parent, &mut snap).await.0.unwrap_err(),
@@ -285,6 +288,7 @@ async fn create_is_blind_one_txn() {
         name: b"a/b".to_vec(),
         inode: file(FileType::Regular),
         symlink: None,
+        hold: false,
     };
     assert!(matches!(w.run(bad).await, Err(MetaError::Invalid(_))));
 }
@@ -309,6 +313,7 @@ async fn mkdir_and_symlink() {
         name: b"s2".to_vec(),
         inode: file(FileType::Symlink),
         symlink: None,
+        hold: false,
     };
     assert!(matches!(w.run(no_target).await, Err(MetaError::Invalid(_))));
     let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
@@ -317,6 +322,7 @@ async fn mkdir_and_symlink() {
         name: b"x".to_vec(),
         inode: file(FileType::Directory),
         symlink: None,
+        hold: false,
     };
     assert_eq!(w.run(in_file).await.unwrap_err(), MetaError::NotDir);
 }
