@@ -85,6 +85,18 @@ pub const WANTED: &[Capability] = &[
          sparing the kernel a SETATTR round trip per write to such files",
     ),
     cap(
+        abi::FUSE_POSIX_LOCKS,
+        "POSIX_LOCKS",
+        "fcntl record locks are the filesystem's (GETLK/SETLK/SETLKW, released at FLUSH): \
+         kept in etcd, they exclude across nodes, which the kernel's node-local ones cannot",
+    ),
+    cap(
+        abi::FUSE_FLOCK_LOCKS,
+        "FLOCK_LOCKS",
+        "flock(2) goes to the filesystem too (SETLK with FUSE_LK_FLOCK, released at RELEASE), \
+         so LOCK_EX excludes across nodes",
+    ),
+    cap(
         abi::FUSE_INIT_EXT,
         "INIT_EXT",
         "carries capability bits 32.. in flags2; needed for everything below",
@@ -124,12 +136,6 @@ pub const CONFIGURED: &[Capability] = &[
 /// Never requested.
 pub const REFUSED: &[Capability] = &[
     cap(
-        abi::FUSE_POSIX_LOCKS,
-        "POSIX_LOCKS",
-        "cluster-wide POSIX locks don't exist yet; refused, the kernel keeps fcntl locks \
-         node-local instead of sending GETLK/SETLK we could only fail",
-    ),
-    cap(
         abi::FUSE_FILE_OPS,
         "FILE_OPS",
         "never implemented by the kernel",
@@ -151,11 +157,6 @@ pub const REFUSED: &[Capability] = &[
         "SPLICE_READ",
         "requests are read into io_uring buffers; WRITE data must land in aligned memory \
          for O_DIRECT to the shared device, not in a pipe",
-    ),
-    cap(
-        abi::FUSE_FLOCK_LOCKS,
-        "FLOCK_LOCKS",
-        "like POSIX_LOCKS: flock stays node-local until cluster locks exist",
     ),
     cap(
         abi::FUSE_HAS_IOCTL_DIR,
@@ -546,6 +547,15 @@ mod tests {
         assert!(!n.has(abi::FUSE_AUTO_INVAL_DATA));
         assert_eq!(u64::from(out.flags) & abi::FUSE_AUTO_INVAL_DATA, 0);
         assert!(REFUSED.iter().any(|c| c.flag == abi::FUSE_AUTO_INVAL_DATA));
+    }
+
+    /// Issue 13: locks are cluster-wide only if the kernel sends them to us.
+    #[test]
+    fn locks_go_to_the_filesystem() {
+        let offered = abi::FUSE_POSIX_LOCKS | abi::FUSE_FLOCK_LOCKS;
+        let (out, n) = negotiate(&kernel(offered), &InitConfig::default()).unwrap();
+        assert!(n.has(abi::FUSE_POSIX_LOCKS) && n.has(abi::FUSE_FLOCK_LOCKS));
+        assert_eq!(u64::from(out.flags), offered);
     }
 
     #[test]

@@ -27,6 +27,9 @@
 //! <p>/W<session:8>             Owner {session}         the asker's    a node out of space in its
 //!                                                                     groups: owners hand some
 //!                                                                     back (Session::want_space)
+//! <p>/B<ino:8><session:8>      LockRecord {kind, end,  the holder's   GETLK/SETLK/SETLKW, FLUSH,
+//!      <owner:8><class:1>      pid}                    lease          RELEASE (src/fs/plocks.rs)
+//!      <start:8>
 //! ```
 //!
 //! Why this shape:
@@ -51,6 +54,12 @@
 //! * Liveness is etcd leases: `M` and `G` keys carry the owning session's lease and vanish
 //!   when it expires. Orphans (`O`) do not: they must outlive a crash so that another node
 //!   can see that the owner session is gone and reclaim the inode.
+//! * Byte-range and flock locks (`B`) carry the holder's lease too, so a dead node's locks
+//!   vanish with it. Their keys start with the inode: one range read returns every lock of
+//!   a file (what a conflict check needs), and one range compare over it makes an
+//!   acquisition fail when any lock of the file changed since that read. Inside, the holder
+//!   (session, kernel lock owner, class) comes before the start, so one holder's locks are
+//!   one sub-range too.
 
 use std::fmt::Write as _;
 
@@ -72,6 +81,7 @@ mod tag {
     pub(super) const FREE_MAP: u8 = b'F';
     pub(super) const RELEASED: u8 = b'R';
     pub(super) const SPACE_WANTED: u8 = b'W';
+    pub(super) const LOCK: u8 = b'B';
 }
 
 /// The default filesystem prefix.
@@ -119,6 +129,24 @@ pub enum KeyKind {
     Released(u64),
     /// `W<session>`
     SpaceWanted(SessionId),
+    /// `B<ino><session><owner><class><start>`
+    Lock(LockKey),
+}
+
+/// The fields of a `B` key: whose lock on which file, and where it starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LockKey {
+    /// The locked file.
+    pub ino: Ino,
+    /// The holder's node session.
+    pub session: SessionId,
+    /// The kernel's lock owner on that node (a process's file table for fcntl locks, an
+    /// open file description for flock).
+    pub owner: u64,
+    /// flock (whole-file, `true`) or fcntl record lock (`false`): the two never conflict.
+    pub flock: bool,
+    /// First locked byte.
+    pub start: u64,
 }
 
 /// Error for an unusable `--prefix`.
@@ -346,6 +374,36 @@ impl Keyspace {
         self.key_u64(tag::SPACE_WANTED, session.0)
     }
 
+    /// `B<ino><session><owner><class><start>`: one lock (see [`LockKey`]).
+    pub fn lock(&self, l: &LockKey) -> Vec<u8> {
+        let mut k = self.lock_holder_prefix(l.ino, l.session, l.owner, l.flock);
+        k.extend_from_slice(&l.start.to_be_bytes());
+        k
+    }
+
+    fn lock_holder_prefix(&self, ino: Ino, session: SessionId, owner: u64, flock: bool) -> Vec<u8> {
+        let mut k = self.key(tag::LOCK, 33);
+        k.extend_from_slice(&ino.0.to_be_bytes());
+        k.extend_from_slice(&session.0.to_be_bytes());
+        k.extend_from_slice(&owner.to_be_bytes());
+        k.push(u8::from(flock));
+        k
+    }
+
+    /// Every lock of `ino`, of every holder.
+    pub fn locks(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::LOCK, ino.0)
+    }
+
+    /// The locks one holder has on `ino` of one class.
+    pub fn locks_of(&self, ino: Ino, session: SessionId, owner: u64, flock: bool) -> KeyRange {
+        let start = self.lock_holder_prefix(ino, session, owner, flock);
+        KeyRange {
+            end: prefix_end(&start),
+            start,
+        }
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -377,6 +435,20 @@ impl Keyspace {
                 let (i, o) = (body.get(..8)?, body.get(8..)?);
                 KeyKind::Extent(Ino(u64_at(i)?), u64_at(o)?)
             }
+            tag::LOCK => {
+                let (f, class, start) = (body.get(..24)?, body.get(24)?, body.get(25..)?);
+                KeyKind::Lock(LockKey {
+                    ino: Ino(u64_at(f.get(..8)?)?),
+                    session: SessionId(u64_at(f.get(8..16)?)?),
+                    owner: u64_at(f.get(16..)?)?,
+                    flock: match *class {
+                        0 => false,
+                        1 => true,
+                        _ => return None,
+                    },
+                    start: u64_at(start)?,
+                })
+            }
             tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             tag::FREE_MAP => KeyKind::FreeMap(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             _ => return None,
@@ -402,6 +474,14 @@ impl Keyspace {
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
             Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
             Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
+            Some(KeyKind::Lock(l)) => format!(
+                "{p}B {} {} {:#x} {} @{}",
+                l.ino,
+                l.session,
+                l.owner,
+                if l.flock { "flock" } else { "posix" },
+                l.start
+            ),
             None => escape(key),
         }
     }
@@ -492,6 +572,7 @@ mod tests {
                 k.space_wanted(SessionId(6)),
                 KeyKind::SpaceWanted(SessionId(6)),
             ),
+            (k.lock(&LOCK), KeyKind::Lock(LOCK)),
         ];
         for (key, kind) in cases {
             assert_eq!(k.parse(&key), Some(kind), "{}", k.describe(&key));
@@ -522,6 +603,39 @@ mod tests {
         let after = k.dentries_after(Ino(256), b"a");
         assert!(after.start > k.dentry(Ino(256), b"a"));
         assert!(after.start <= k.dentry(Ino(256), b"a\x01"));
+    }
+
+    const LOCK: LockKey = LockKey {
+        ino: Ino(9),
+        session: SessionId(0x7f00_0000_0000_0001),
+        owner: u64::MAX,
+        flock: true,
+        start: 100,
+    };
+
+    #[test]
+    fn lock_ranges_nest_file_then_holder() {
+        let k = ks();
+        let inside = |r: &KeyRange, key: &[u8]| r.start.as_slice() <= key && key < r.end.as_slice();
+        let all = k.locks(Ino(9));
+        let mine = k.locks_of(Ino(9), LOCK.session, LOCK.owner, true);
+        assert!(inside(&all, &k.lock(&LOCK)) && inside(&mine, &k.lock(&LOCK)));
+        let posix = LockKey {
+            flock: false,
+            ..LOCK
+        };
+        assert!(inside(&all, &k.lock(&posix)) && !inside(&mine, &k.lock(&posix)));
+        let other_file = LockKey {
+            ino: Ino(10),
+            ..LOCK
+        };
+        assert!(!inside(&all, &k.lock(&other_file)));
+        assert!(k.lock(&LockKey { start: 2, ..LOCK }) < k.lock(&LockKey { start: 256, ..LOCK }));
+        let mut bad = k.lock(&LOCK);
+        bad[k.root().len() + 25] = 2;
+        assert_eq!(k.parse(&bad), None);
+        bad.pop();
+        assert_eq!(k.parse(&bad), None);
     }
 
     #[test]

@@ -310,6 +310,8 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
         Some(KeyKind::SpaceWanted(asker)) if put => i.space_wanted_by(asker),
+        // Any change may free a range (a delete, a split, a downgrade): waiters re-read.
+        Some(KeyKind::Lock(l)) => i.plocks.changed(l.ino.0),
         _ => {}
     }
 }
