@@ -85,18 +85,6 @@ pub const WANTED: &[Capability] = &[
          sparing the kernel a SETATTR round trip per write to such files",
     ),
     cap(
-        abi::FUSE_POSIX_LOCKS,
-        "POSIX_LOCKS",
-        "fcntl record locks are the filesystem's (GETLK/SETLK/SETLKW, released at FLUSH): \
-         kept in etcd, they exclude across nodes, which the kernel's node-local ones cannot",
-    ),
-    cap(
-        abi::FUSE_FLOCK_LOCKS,
-        "FLOCK_LOCKS",
-        "flock(2) goes to the filesystem too (SETLK with FUSE_LK_FLOCK, released at RELEASE), \
-         so LOCK_EX excludes across nodes",
-    ),
-    cap(
         abi::FUSE_INIT_EXT,
         "INIT_EXT",
         "carries capability bits 32.. in flags2; needed for everything below",
@@ -130,6 +118,19 @@ pub const CONFIGURED: &[Capability] = &[
         abi::FUSE_SPLICE_MOVE,
         "SPLICE_MOVE",
         "InitConfig::splice_write: lets the kernel move (not copy) spliced reply pages",
+    ),
+    cap(
+        abi::FUSE_POSIX_LOCKS,
+        "POSIX_LOCKS",
+        "InitConfig::locks: fcntl record locks are the filesystem's (GETLK/SETLK/SETLKW, \
+         released at FLUSH), so a cluster filesystem can make them exclude across nodes; \
+         without it the kernel keeps them node-local (it has no fallback after ENOSYS)",
+    ),
+    cap(
+        abi::FUSE_FLOCK_LOCKS,
+        "FLOCK_LOCKS",
+        "InitConfig::locks: flock(2) goes to the filesystem too (SETLK with FUSE_LK_FLOCK, \
+         released at RELEASE with FLOCK_UNLOCK)",
     ),
 ];
 
@@ -285,6 +286,9 @@ pub struct InitConfig {
     pub over_io_uring: bool,
     /// Ask for SPLICE_WRITE|SPLICE_MOVE so `/dev/fuse` READ replies can be spliced.
     pub splice_write: bool,
+    /// Ask for POSIX_LOCKS|FLOCK_LOCKS: the handler serves GETLK/SETLK/SETLKW
+    /// (`Handler::serves_locks`).
+    pub locks: bool,
     /// Background requests (readahead, async direct I/O) the kernel keeps in flight.
     pub max_background: u16,
     /// Background requests beyond which the kernel reports the bdi congested.
@@ -300,6 +304,7 @@ impl Default for InitConfig {
             max_pages: 256,
             over_io_uring: false,
             splice_write: false,
+            locks: false,
             max_background: 64,
             congestion_threshold: 48,
             time_gran: 1,
@@ -370,6 +375,9 @@ pub fn requested_flags(cfg: &InitConfig) -> u64 {
     }
     if cfg.splice_write {
         want |= abi::FUSE_SPLICE_WRITE | abi::FUSE_SPLICE_MOVE;
+    }
+    if cfg.locks {
+        want |= abi::FUSE_POSIX_LOCKS | abi::FUSE_FLOCK_LOCKS;
     }
     want
 }
@@ -549,11 +557,18 @@ mod tests {
         assert!(REFUSED.iter().any(|c| c.flag == abi::FUSE_AUTO_INVAL_DATA));
     }
 
-    /// Issue 13: locks are cluster-wide only if the kernel sends them to us.
+    /// Issue 13: locks are cluster-wide only if the kernel sends them to us, and a
+    /// handler that does not serve them must not get them (ENOSYS would reach the caller).
     #[test]
-    fn locks_go_to_the_filesystem() {
+    fn locks_go_to_the_filesystem_only_when_it_serves_them() {
         let offered = abi::FUSE_POSIX_LOCKS | abi::FUSE_FLOCK_LOCKS;
         let (out, n) = negotiate(&kernel(offered), &InitConfig::default()).unwrap();
+        assert_eq!((n.flags, out.flags), (0, 0));
+        let cfg = InitConfig {
+            locks: true,
+            ..InitConfig::default()
+        };
+        let (out, n) = negotiate(&kernel(offered), &cfg).unwrap();
         assert!(n.has(abi::FUSE_POSIX_LOCKS) && n.has(abi::FUSE_FLOCK_LOCKS));
         assert_eq!(u64::from(out.flags), offered);
     }

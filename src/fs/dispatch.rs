@@ -336,6 +336,10 @@ impl Handler for EtcFs {
         self.dispatch(ctx, req, out)
     }
 
+    fn serves_locks(&self) -> bool {
+        true
+    }
+
     fn counters(&self) -> Vec<(String, u64)> {
         let m = self.inner.meta.stats();
         let mut c: Vec<(String, u64)> = vec![
