@@ -35,7 +35,8 @@ const WOKEN_WITHIN: Duration = Duration::from_millis(600);
 
 /// Commands, one per line; every command answers one line: `ok [...]` or `E <errno>`.
 ///   open PATH | close | alarm SECS | exit
-///   lk setlk|setlkw|getlk r|w|u START LEN   (getlk answers `ok u` or `ok r|w START LEN PID`)
+///   lk [ofd]setlk|[ofd]setlkw|[ofd]getlk r|w|u START LEN
+///      (getlk answers `ok u` or `ok r|w START LEN PID`; ofd: the F_OFD_* commands)
 ///   flock sh|ex|un|shnb|exnb
 const LOCKER_C: &str = r#"
 #define _GNU_SOURCE
@@ -82,9 +83,13 @@ int main(void) {
             fl.l_whence = SEEK_SET;
             fl.l_start = x;
             fl.l_len = y;
-            int cmd = !strcmp(b, "setlkw") ? F_SETLKW : !strcmp(b, "getlk") ? F_GETLK : F_SETLK;
+            int ofd = !strncmp(b, "ofd", 3);
+            const char *k = ofd ? b + 3 : b;
+            int cmd = !strcmp(k, "setlkw") ? (ofd ? F_OFD_SETLKW : F_SETLKW)
+                    : !strcmp(k, "getlk") ? (ofd ? F_OFD_GETLK : F_GETLK)
+                    : (ofd ? F_OFD_SETLK : F_SETLK);
             if (fcntl(fd, cmd, &fl) != 0) { fail(); continue; }
-            if (cmd != F_GETLK) { printf("ok\n"); continue; }
+            if (cmd != F_GETLK && cmd != F_OFD_GETLK) { printf("ok\n"); continue; }
             if (fl.l_type == F_UNLCK) printf("ok u\n");
             else printf("ok %c %lld %lld %d\n", fl.l_type == F_RDLCK ? 'r' : 'w',
                         (long long)fl.l_start, (long long)fl.l_len, (int)fl.l_pid);
@@ -397,6 +402,35 @@ fn locks_go_when_their_process_closes_or_exits() {
     assert_eq!(lb.cmd("flock un"), "ok");
     assert_eq!(la.cmd("close"), "ok");
     eventually_ok(&mut lb, "flock exnb", Duration::from_secs(5));
+}
+
+/// OFD locks (F_OFD_SETLK) belong to the open file description, not the process: they
+/// go at nothing but the description's last close (RELEASE, which names no owner).
+#[test]
+fn ofd_locks_go_with_their_open_file_description() {
+    let Some((_fs, a, b)) = two_nodes("ofd_locks") else {
+        return;
+    };
+    let (pa, pb) = shared_file(&a, &b, "f");
+    let mut la = Locker::on(&pa);
+    let mut lb = Locker::on(&pb);
+    assert_eq!(la.cmd("lk ofdsetlk w 0 10"), "ok");
+    assert_eq!(lb.cmd("lk setlk w 5 1"), EAGAIN);
+    assert_eq!(lb.cmd("lk ofdsetlk r 5 1"), EAGAIN);
+    // Another description in the same process is another owner.
+    let mut la2 = Locker::on(&pa);
+    assert_eq!(la2.cmd("lk ofdsetlk w 9 1"), EAGAIN);
+    drop(la2);
+    lb.send("lk ofdsetlkw w 5 1");
+    assert_eq!(
+        lb.answer(Duration::from_millis(300)),
+        None,
+        "B did not wait"
+    );
+    assert_eq!(la.cmd("close"), "ok");
+    assert_eq!(lb.answer(STEP).as_deref(), Some("ok"));
+    assert_eq!(lb.cmd("lk ofdsetlk u 5 1"), "ok");
+    assert_eq!(lb.cmd("lk setlk w 0 0"), "ok", "nothing of A's is left");
 }
 
 #[test]

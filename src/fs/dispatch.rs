@@ -154,16 +154,21 @@ impl EtcFs {
             }
             Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
             Operation::Release {
+                fh,
                 release_flags,
                 lock_owner,
                 ..
             } => {
-                // The description's last close: its flock locks go.
+                // The description's last close: its flock and OFD locks go.
                 let flock = release_flags & abi::FUSE_RELEASE_FLOCK_UNLOCK != 0
                     && self.inner.plocks.holds(ino, lock_owner, true);
+                let ofd = self.inner.plocks.take_fh(fh);
                 self.offload(ctx, out, move |i| {
                     if flock {
                         i.release_locks(ino, lock_owner, true);
+                    }
+                    for owner in ofd {
+                        i.release_locks(ino, owner, false);
                     }
                     i.release_file(ino);
                     Ok(Done::Empty)
@@ -255,17 +260,19 @@ impl EtcFs {
                 ..
             } => self.offload(ctx, out, move |i| i.getlk(ino, owner, lock, lk_flags)),
             Operation::Setlk {
+                fh,
                 owner,
                 lock,
                 lk_flags,
-                ..
-            } => self.offload(ctx, out, move |i| i.setlk(ino, owner, lock, lk_flags, None)),
+            } => self.offload(ctx, out, move |i| {
+                i.setlk((ino, fh), owner, lock, lk_flags, None)
+            }),
             Operation::Setlkw {
+                fh,
                 owner,
                 lock,
                 lk_flags,
-                ..
-            } => self.setlkw(ctx, out, (h.unique, ino), owner, lock, lk_flags),
+            } => self.setlkw(ctx, out, (h.unique, ino, fh), owner, lock, lk_flags),
             Operation::Destroy => {
                 self.destroy();
                 Reply::Bytes(0)

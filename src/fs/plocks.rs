@@ -22,8 +22,10 @@
 //!   The kernel's INTERRUPT of the waiting request ([`Plocks::interrupt`]) ends the wait
 //!   with EINTR (it may arrive before the waiter registered: it is remembered).
 //! * Release: FLUSH (every close) drops the closing process's fcntl locks on the file,
-//!   RELEASE with `FUSE_RELEASE_FLOCK_UNLOCK` (last close of the description) its flock
-//!   locks. Process exit closes its files, so the kernel sends those too.
+//!   RELEASE (last close of the description) its flock locks (`FUSE_RELEASE_FLOCK_UNLOCK`)
+//!   and its OFD locks (whose owner is the description: those of every owner that locked
+//!   through the file handle, the process-owned ones being gone by then). Process exit
+//!   closes its files, so the kernel sends those too.
 //!
 //! Holder pids are the holder node's: F_GETLK on another machine reports a pid that
 //! means nothing there (the kernel turns a pid it does not know into 0).
@@ -232,6 +234,11 @@ struct State {
     /// (file, owner, flock) that may hold locks here: FLUSH and RELEASE of anything else
     /// need no etcd.
     holders: HashSet<(u64, u64, bool)>,
+    /// fcntl-class owners that locked through each open file (FUSE file handle): the
+    /// description's RELEASE drops their locks, which are its OFD locks (F_OFD_SETLK: the
+    /// owner is the description, and no FLUSH names it); the process-owned ones among them
+    /// went at the FLUSH of every close before it.
+    by_fh: HashMap<u64, (u64, HashSet<u64>)>,
     stopping: bool,
 }
 
@@ -317,6 +324,32 @@ impl Plocks {
         }
         s.holders.insert((ino, owner, flock));
         Ok(())
+    }
+
+    /// `owner` locked `ino` through `fh`. Past [`HOLDERS_MAX`] files an OFD lock is then
+    /// kept until its process's FLUSH, unmount or the lease's end.
+    fn note_fh(&self, fh: u64, ino: u64, owner: u64) {
+        let mut s = self.state();
+        if s.by_fh.len() < HOLDERS_MAX || s.by_fh.contains_key(&fh) {
+            s.by_fh
+                .entry(fh)
+                .or_insert((ino, HashSet::new()))
+                .1
+                .insert(owner);
+        }
+    }
+
+    /// The fcntl-class owners that locked through `fh` and may still hold locks, which its
+    /// RELEASE must drop; forgets `fh`.
+    pub(super) fn take_fh(&self, fh: u64) -> Vec<u64> {
+        let mut s = self.state();
+        let Some((ino, owners)) = s.by_fh.remove(&fh) else {
+            return Vec::new();
+        };
+        owners
+            .into_iter()
+            .filter(|o| s.holders.contains(&(ino, *o, false)))
+            .collect()
     }
 
     fn forget_holder(&self, ino: u64, owner: u64, flock: bool) {
@@ -596,18 +629,27 @@ impl Inner {
         Ok(done_bytes(&LkOut { lk }))
     }
 
-    /// SETLK, and SETLKW when `wait` names the request (its FUSE unique id).
+    /// SETLK through open file `fh`, and SETLKW when `wait` names the request (its FUSE
+    /// unique id).
     pub(super) fn setlk(
         &self,
-        ino: u64,
+        (ino, fh): (u64, u64),
         owner: u64,
         lk: FileLock,
         lk_flags: u32,
         wait: Option<u64>,
     ) -> Result<Done, Errno> {
         let want = Want::new(&lk, lk_flags)?;
+        let r = self.set(ino, owner, &want, wait);
+        if r.is_ok() && want.lock.is_some() && !want.flock {
+            self.plocks.note_fh(fh, ino, owner);
+        }
+        r
+    }
+
+    fn set(&self, ino: u64, owner: u64, want: &Want, wait: Option<u64>) -> Result<Done, Errno> {
         let Some(unique) = wait.filter(|_| want.lock.is_some()) else {
-            return match self.set_once(ino, owner, &want)? {
+            return match self.set_once(ino, owner, want)? {
                 Round::Done => Ok(Done::Empty),
                 Round::Conflict | Round::Busy => Err(Errno::EAGAIN),
             };
@@ -615,7 +657,7 @@ impl Inner {
         let w = self.plocks.register(unique, ino)?;
         loop {
             let seen = w.changes();
-            match self.set_once(ino, owner, &want)? {
+            match self.set_once(ino, owner, want)? {
                 Round::Done => return Ok(Done::Empty),
                 // Others' changes won every compare: read again at once.
                 Round::Busy => w.interrupted()?,
@@ -679,16 +721,16 @@ impl EtcFs {
         &self,
         ctx: &RequestCtx<'_>,
         out: &mut [u8],
-        (unique, ino): (u64, u64),
+        (unique, ino, fh): (u64, u64, u64),
         owner: u64,
         lk: FileLock,
         lk_flags: u32,
     ) -> Reply {
         let Some(d) = ctx.defer() else {
-            return to_reply(
-                self.inner.setlk(ino, owner, lk, lk_flags, Some(unique)),
-                out,
-            );
+            let r = self
+                .inner
+                .setlk((ino, fh), owner, lk, lk_flags, Some(unique));
+            return to_reply(r, out);
         };
         let threads = &self.inner.plocks.threads;
         if threads.fetch_add(1, Ordering::AcqRel) >= WAITERS_MAX {
@@ -700,7 +742,7 @@ impl EtcFs {
         let spawned = std::thread::Builder::new()
             .name("etcfs-lockwait".into())
             .spawn(move || {
-                match inner.setlk(ino, owner, lk, lk_flags, Some(unique)) {
+                match inner.setlk((ino, fh), owner, lk, lk_flags, Some(unique)) {
                     Ok(_) => d.bytes(Vec::new()),
                     Err(e) => d.error(e),
                 }
