@@ -119,16 +119,23 @@ pub const CONFIGURED: &[Capability] = &[
         "SPLICE_MOVE",
         "InitConfig::splice_write: lets the kernel move (not copy) spliced reply pages",
     ),
+    cap(
+        abi::FUSE_POSIX_LOCKS,
+        "POSIX_LOCKS",
+        "InitConfig::locks: fcntl record locks are the filesystem's (GETLK/SETLK/SETLKW, \
+         released at FLUSH), so a cluster filesystem can make them exclude across nodes; \
+         without it the kernel keeps them node-local (it has no fallback after ENOSYS)",
+    ),
+    cap(
+        abi::FUSE_FLOCK_LOCKS,
+        "FLOCK_LOCKS",
+        "InitConfig::locks: flock(2) goes to the filesystem too (SETLK with FUSE_LK_FLOCK, \
+         released at RELEASE with FLOCK_UNLOCK)",
+    ),
 ];
 
 /// Never requested.
 pub const REFUSED: &[Capability] = &[
-    cap(
-        abi::FUSE_POSIX_LOCKS,
-        "POSIX_LOCKS",
-        "cluster-wide POSIX locks don't exist yet; refused, the kernel keeps fcntl locks \
-         node-local instead of sending GETLK/SETLK we could only fail",
-    ),
     cap(
         abi::FUSE_FILE_OPS,
         "FILE_OPS",
@@ -151,11 +158,6 @@ pub const REFUSED: &[Capability] = &[
         "SPLICE_READ",
         "requests are read into io_uring buffers; WRITE data must land in aligned memory \
          for O_DIRECT to the shared device, not in a pipe",
-    ),
-    cap(
-        abi::FUSE_FLOCK_LOCKS,
-        "FLOCK_LOCKS",
-        "like POSIX_LOCKS: flock stays node-local until cluster locks exist",
     ),
     cap(
         abi::FUSE_HAS_IOCTL_DIR,
@@ -284,6 +286,9 @@ pub struct InitConfig {
     pub over_io_uring: bool,
     /// Ask for SPLICE_WRITE|SPLICE_MOVE so `/dev/fuse` READ replies can be spliced.
     pub splice_write: bool,
+    /// Ask for POSIX_LOCKS|FLOCK_LOCKS: the handler serves GETLK/SETLK/SETLKW
+    /// (`Handler::serves_locks`).
+    pub locks: bool,
     /// Background requests (readahead, async direct I/O) the kernel keeps in flight.
     pub max_background: u16,
     /// Background requests beyond which the kernel reports the bdi congested.
@@ -299,6 +304,7 @@ impl Default for InitConfig {
             max_pages: 256,
             over_io_uring: false,
             splice_write: false,
+            locks: false,
             max_background: 64,
             congestion_threshold: 48,
             time_gran: 1,
@@ -369,6 +375,9 @@ pub fn requested_flags(cfg: &InitConfig) -> u64 {
     }
     if cfg.splice_write {
         want |= abi::FUSE_SPLICE_WRITE | abi::FUSE_SPLICE_MOVE;
+    }
+    if cfg.locks {
+        want |= abi::FUSE_POSIX_LOCKS | abi::FUSE_FLOCK_LOCKS;
     }
     want
 }
@@ -546,6 +555,22 @@ mod tests {
         assert!(!n.has(abi::FUSE_AUTO_INVAL_DATA));
         assert_eq!(u64::from(out.flags) & abi::FUSE_AUTO_INVAL_DATA, 0);
         assert!(REFUSED.iter().any(|c| c.flag == abi::FUSE_AUTO_INVAL_DATA));
+    }
+
+    /// Issue 13: locks are cluster-wide only if the kernel sends them to us, and a
+    /// handler that does not serve them must not get them (ENOSYS would reach the caller).
+    #[test]
+    fn locks_go_to_the_filesystem_only_when_it_serves_them() {
+        let offered = abi::FUSE_POSIX_LOCKS | abi::FUSE_FLOCK_LOCKS;
+        let (out, n) = negotiate(&kernel(offered), &InitConfig::default()).unwrap();
+        assert_eq!((n.flags, out.flags), (0, 0));
+        let cfg = InitConfig {
+            locks: true,
+            ..InitConfig::default()
+        };
+        let (out, n) = negotiate(&kernel(offered), &cfg).unwrap();
+        assert!(n.has(abi::FUSE_POSIX_LOCKS) && n.has(abi::FUSE_FLOCK_LOCKS));
+        assert_eq!(u64::from(out.flags), offered);
     }
 
     #[test]

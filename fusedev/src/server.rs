@@ -296,6 +296,13 @@ pub trait Handler: Send + Sync + 'static {
     /// fixed reply, whichever is larger) and is the only place reply arguments may go.
     fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply;
 
+    /// Whether fcntl and flock locks are the filesystem's (GETLK, SETLK, SETLKW; asked for
+    /// at INIT with POSIX_LOCKS and FLOCK_LOCKS). False leaves them to the kernel, node-local:
+    /// it does not fall back when the filesystem answers ENOSYS to them.
+    fn serves_locks(&self) -> bool {
+        false
+    }
+
     /// Called once after INIT negotiation, before any other request.
     fn init(&self, _negotiated: &crate::init::Negotiated) {}
 

@@ -78,6 +78,7 @@ fn init_config() -> InitConfig {
         max_pages: 256,
         over_io_uring: true,
         splice_write: false,
+        locks: false,
         max_background: 64,
         congestion_threshold: 48,
         time_gran: 1,

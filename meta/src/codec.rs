@@ -614,6 +614,41 @@ impl Record for Owner {
     }
 }
 
+/// One held lock (`B` keys; the holder and the first byte are in the key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockRecord {
+    /// Exclusive (F_WRLCK, LOCK_EX) rather than shared (F_RDLCK, LOCK_SH).
+    pub write: bool,
+    /// Last locked byte, inclusive (`u64::MAX`: to the end of any file).
+    pub end: u64,
+    /// The holding process on its node, for F_GETLK.
+    pub pid: u32,
+}
+
+impl Record for LockRecord {
+    const WHAT: &'static str = "lock";
+    fn validate(&self) -> Result<(), &'static str> {
+        Ok(())
+    }
+    fn write(&self, w: &mut Vec<u8>) {
+        w.push(u8::from(self.write));
+        w.extend_from_slice(&self.end.to_le_bytes());
+        w.extend_from_slice(&self.pid.to_le_bytes());
+    }
+    fn read(r: &mut Reader<'_>) -> Result<Self, &'static str> {
+        let write = match r.u8()? {
+            0 => false,
+            1 => true,
+            _ => return Err("unknown lock kind"),
+        };
+        Ok(LockRecord {
+            write,
+            end: r.u64()?,
+            pid: r.u32()?,
+        })
+    }
+}
+
 /// Decodes `bytes` stored at `key`, naming the key on failure.
 pub fn decode_at<R: Record>(
     keys: &crate::keys::Keyspace,
@@ -694,6 +729,19 @@ mod tests {
         round_trip(Owner {
             session: SessionId(77),
         });
+        round_trip(LockRecord {
+            write: true,
+            end: u64::MAX,
+            pid: 4242,
+        });
+        let mut bad_kind = LockRecord {
+            write: false,
+            end: 9,
+            pid: 1,
+        }
+        .encode();
+        bad_kind[1] = 2;
+        assert!(LockRecord::decode(&bad_kind).is_err());
         round_trip(SuperRecord {
             uuid: [7; 16],
             format_version: 1,
@@ -767,6 +815,7 @@ mod tests {
             let _ = SuperRecord::decode(&b);
             let _ = Extent::decode_value(rng.gen(), &b);
             let _ = Owner::decode(&b);
+            let _ = LockRecord::decode(&b);
             let _ = InoCounter::decode(&b);
             let _ = DirParent::decode(&b);
         }

@@ -227,6 +227,38 @@ async fn compares(kv: &dyn KvBackend, p: &[u8]) {
         .await
         .expect("t");
     assert!(r.succeeded);
+    // The lock acquisition's guard (src/fs/plocks.rs): "every key of the range is older than
+    // R+1" holds over an empty range and after a delete, and fails once a key is created
+    // (or changed) in the range after R.
+    let range = |p: &[u8]| (k(p, "lk/"), prefix_end(&k(p, "lk/")));
+    let (start, end) = range(p);
+    let read = kv
+        .range(RangeRequest::range(start.clone(), end.clone()))
+        .await
+        .expect("range");
+    let older_than = |rev: i64| Compare {
+        key: start.clone(),
+        range_end: Some(end.clone()),
+        op: CompareOp::Less,
+        target: CompareTarget::ModRevision(rev + 1),
+    };
+    let guarded = |rev: i64| Txn {
+        compares: vec![older_than(rev)],
+        ..Default::default()
+    };
+    assert!(kv.txn(guarded(read.revision)).await.expect("t").succeeded);
+    let made = put(kv, k(p, "lk/a"), b"").await;
+    assert!(!kv.txn(guarded(read.revision)).await.expect("t").succeeded);
+    assert!(kv.txn(guarded(made)).await.expect("t").succeeded);
+    put(kv, k(p, "lk/b"), b"").await;
+    let r = kv
+        .txn(Txn {
+            success: vec![TxnOp::delete(k(p, "lk/b"))],
+            ..Default::default()
+        })
+        .await
+        .expect("t");
+    assert!(kv.txn(guarded(r.revision)).await.expect("t").succeeded);
     // Compares see the state before the txn; ops apply in order and ranges see them.
     let r = kv
         .txn(Txn {

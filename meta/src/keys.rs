@@ -35,6 +35,9 @@
 //!                                                                     regular file (cachelock.rs)
 //! <p>/Q<ino:8><session:8>      CacheLock {mode}        the asker's    a node waiting for that
 //!                                                                     lock: holders give way
+//! <p>/B<ino:8><session:8>      LockRecord {kind, end,  the holder's   GETLK/SETLK/SETLKW, FLUSH,
+//!      <owner:8><class:1>      pid}                    lease          RELEASE (src/fs/plocks.rs)
+//!      <start:8>
 //! ```
 //!
 //! Why this shape:
@@ -63,6 +66,12 @@
 //!   keeps the inode (as an orphan) while one of them does. They carry the holder's lease:
 //!   a node that dies holds nothing once its lease ends. The inode comes first in the key,
 //!   so "is it open anywhere" is one range read (or range compare) over `H<ino>`.
+//! * Byte-range and flock locks (`B`) carry the holder's lease too, so a dead node's locks
+//!   vanish with it. Their keys start with the inode: one range read returns every lock of
+//!   a file (what a conflict check needs), and one range compare over it makes an
+//!   acquisition fail when any lock of the file changed since that read. Inside, the holder
+//!   (session, kernel lock owner, class) comes before the start, so one holder's locks are
+//!   one sub-range too.
 
 use std::fmt::Write as _;
 
@@ -87,6 +96,7 @@ mod tag {
     pub(super) const CACHE_LOCK: u8 = b'K';
     pub(super) const CACHE_WANT: u8 = b'Q';
     pub(super) const HELD: u8 = b'H';
+    pub(super) const LOCK: u8 = b'B';
 }
 
 /// The default filesystem prefix.
@@ -140,6 +150,24 @@ pub enum KeyKind {
     CacheWant(Ino, SessionId),
     /// `H<ino><session>`
     Held(Ino, SessionId),
+    /// `B<ino><session><owner><class><start>`
+    Lock(LockKey),
+}
+
+/// The fields of a `B` key: whose lock on which file, and where it starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LockKey {
+    /// The locked file.
+    pub ino: Ino,
+    /// The holder's node session.
+    pub session: SessionId,
+    /// The kernel's lock owner on that node (a process's file table for fcntl locks, an
+    /// open file description for flock).
+    pub owner: u64,
+    /// flock (whole-file, `true`) or fcntl record lock (`false`): the two never conflict.
+    pub flock: bool,
+    /// First locked byte.
+    pub start: u64,
 }
 
 /// Error for an unusable `--prefix`.
@@ -398,6 +426,36 @@ impl Keyspace {
         self.range_u64(tag::HELD, ino.0)
     }
 
+    /// `B<ino><session><owner><class><start>`: one lock (see [`LockKey`]).
+    pub fn lock(&self, l: &LockKey) -> Vec<u8> {
+        let mut k = self.lock_holder_prefix(l.ino, l.session, l.owner, l.flock);
+        k.extend_from_slice(&l.start.to_be_bytes());
+        k
+    }
+
+    fn lock_holder_prefix(&self, ino: Ino, session: SessionId, owner: u64, flock: bool) -> Vec<u8> {
+        let mut k = self.key(tag::LOCK, 33);
+        k.extend_from_slice(&ino.0.to_be_bytes());
+        k.extend_from_slice(&session.0.to_be_bytes());
+        k.extend_from_slice(&owner.to_be_bytes());
+        k.push(u8::from(flock));
+        k
+    }
+
+    /// Every lock of `ino`, of every holder.
+    pub fn locks(&self, ino: Ino) -> KeyRange {
+        self.range_u64(tag::LOCK, ino.0)
+    }
+
+    /// The locks one holder has on `ino` of one class.
+    pub fn locks_of(&self, ino: Ino, session: SessionId, owner: u64, flock: bool) -> KeyRange {
+        let start = self.lock_holder_prefix(ino, session, owner, flock);
+        KeyRange {
+            end: prefix_end(&start),
+            start,
+        }
+    }
+
     /// Decodes a key of this key space. `None` for foreign or malformed keys.
     pub fn parse(&self, key: &[u8]) -> Option<KeyKind> {
         let rest = key.strip_prefix(self.root.as_slice())?;
@@ -442,6 +500,20 @@ impl Keyspace {
                 let (i, s) = (body.get(..8)?, body.get(8..)?);
                 KeyKind::Held(Ino(u64_at(i)?), SessionId(u64_at(s)?))
             }
+            tag::LOCK => {
+                let (f, class, start) = (body.get(..24)?, body.get(24)?, body.get(25..)?);
+                KeyKind::Lock(LockKey {
+                    ino: Ino(u64_at(f.get(..8)?)?),
+                    session: SessionId(u64_at(f.get(8..16)?)?),
+                    owner: u64_at(f.get(16..)?)?,
+                    flock: match *class {
+                        0 => false,
+                        1 => true,
+                        _ => return None,
+                    },
+                    start: u64_at(start)?,
+                })
+            }
             tag::GROUP => KeyKind::Group(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             tag::FREE_MAP => KeyKind::FreeMap(GroupId(u32::from_be_bytes(body.try_into().ok()?))),
             _ => return None,
@@ -470,6 +542,14 @@ impl Keyspace {
             Some(KeyKind::CacheLock(i, s)) => format!("{p}K {i} {s}"),
             Some(KeyKind::CacheWant(i, s)) => format!("{p}Q {i} {s}"),
             Some(KeyKind::Held(i, s)) => format!("{p}H {i} by {s}"),
+            Some(KeyKind::Lock(l)) => format!(
+                "{p}B {} {} {:#x} {} @{}",
+                l.ino,
+                l.session,
+                l.owner,
+                if l.flock { "flock" } else { "posix" },
+                l.start
+            ),
             None => escape(key),
         }
     }
@@ -572,6 +652,7 @@ mod tests {
                 k.held(Ino(4), SessionId(6)),
                 KeyKind::Held(Ino(4), SessionId(6)),
             ),
+            (k.lock(&LOCK), KeyKind::Lock(LOCK)),
         ];
         for (key, kind) in cases {
             assert_eq!(k.parse(&key), Some(kind), "{}", k.describe(&key));
@@ -602,6 +683,39 @@ mod tests {
         let after = k.dentries_after(Ino(256), b"a");
         assert!(after.start > k.dentry(Ino(256), b"a"));
         assert!(after.start <= k.dentry(Ino(256), b"a\x01"));
+    }
+
+    const LOCK: LockKey = LockKey {
+        ino: Ino(9),
+        session: SessionId(0x7f00_0000_0000_0001),
+        owner: u64::MAX,
+        flock: true,
+        start: 100,
+    };
+
+    #[test]
+    fn lock_ranges_nest_file_then_holder() {
+        let k = ks();
+        let inside = |r: &KeyRange, key: &[u8]| r.start.as_slice() <= key && key < r.end.as_slice();
+        let all = k.locks(Ino(9));
+        let mine = k.locks_of(Ino(9), LOCK.session, LOCK.owner, true);
+        assert!(inside(&all, &k.lock(&LOCK)) && inside(&mine, &k.lock(&LOCK)));
+        let posix = LockKey {
+            flock: false,
+            ..LOCK
+        };
+        assert!(inside(&all, &k.lock(&posix)) && !inside(&mine, &k.lock(&posix)));
+        let other_file = LockKey {
+            ino: Ino(10),
+            ..LOCK
+        };
+        assert!(!inside(&all, &k.lock(&other_file)));
+        assert!(k.lock(&LockKey { start: 2, ..LOCK }) < k.lock(&LockKey { start: 256, ..LOCK }));
+        let mut bad = k.lock(&LOCK);
+        bad[k.root().len() + 25] = 2;
+        assert_eq!(k.parse(&bad), None);
+        bad.pop();
+        assert_eq!(k.parse(&bad), None);
     }
 
     #[test]

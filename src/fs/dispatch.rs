@@ -183,19 +183,41 @@ impl EtcFs {
                 })
             }
             Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
-            Operation::Release { .. } => self.offload(ctx, out, move |i| {
-                i.release_file(ino);
-                Ok(Done::Empty)
-            }),
+            Operation::Release {
+                fh,
+                release_flags,
+                lock_owner,
+                ..
+            } => {
+                // The description's last close: its flock and OFD locks go.
+                let flock = release_flags & abi::FUSE_RELEASE_FLOCK_UNLOCK != 0
+                    && self.inner.plocks.holds(ino, lock_owner, true);
+                let ofd = self.inner.plocks.take_fh(fh);
+                self.offload(ctx, out, move |i| {
+                    if flock {
+                        i.release_locks(ino, lock_owner, true);
+                    }
+                    for owner in ofd {
+                        i.release_locks(ino, owner, false);
+                    }
+                    i.release_file(ino);
+                    Ok(Done::Empty)
+                })
+            }
             Operation::Releasedir { fh } => {
                 self.inner.release_dir(fh);
                 Reply::Bytes(0)
             }
-            Operation::Flush { .. } => {
-                if !self.inner.files.has_dirty_state(ino) {
+            Operation::Flush { lock_owner, .. } => {
+                // Every close drops the closing process's fcntl locks on the file.
+                let unlock = self.inner.plocks.holds(ino, lock_owner, false);
+                if !unlock && !self.inner.files.has_dirty_state(ino) {
                     return Reply::Bytes(0);
                 }
                 self.offload(ctx, out, move |i| {
+                    if unlock {
+                        i.release_locks(ino, lock_owner, false);
+                    }
                     // close(2) reports a failed commit of pending writes.
                     let r = i.sync_pending(ino);
                     i.flush_mtime(ino);
@@ -259,21 +281,43 @@ impl EtcFs {
                 let _held = i.hold_regular(ino, LockMode::Shared)?;
                 i.lseek(ino, offset, whence)
             }),
-            Operation::Interrupt { .. } | Operation::NotifyReply { .. } => Reply::None,
+            // Only a waiting SETLKW can be interrupted; the rest answer soon anyway.
+            Operation::Interrupt { unique } => {
+                self.inner.plocks.interrupt(unique);
+                Reply::None
+            }
+            Operation::NotifyReply { .. } => Reply::None,
+            Operation::Getlk {
+                owner,
+                lock,
+                lk_flags,
+                ..
+            } => self.offload(ctx, out, move |i| i.getlk(ino, owner, lock, lk_flags)),
+            Operation::Setlk {
+                fh,
+                owner,
+                lock,
+                lk_flags,
+            } => self.offload(ctx, out, move |i| {
+                i.setlk((ino, fh), owner, lock, lk_flags, None)
+            }),
+            Operation::Setlkw {
+                fh,
+                owner,
+                lock,
+                lk_flags,
+            } => self.setlkw(ctx, out, (h.unique, ino, fh), owner, lock, lk_flags),
             Operation::Destroy => {
                 self.destroy();
                 Reply::Bytes(0)
             }
             // ENOSYS, remembered by the kernel: permission checks are the kernel's
             // (default_permissions), STATX falls back to GETATTR, COPY_FILE_RANGE to
-            // read+write, TMPFILE to create+unlink; locks stay node-local for now.
+            // read+write, TMPFILE to create+unlink.
             Operation::Access { .. }
             | Operation::Statx { .. }
             | Operation::CopyFileRange { .. }
             | Operation::Tmpfile { .. }
-            | Operation::Getlk { .. }
-            | Operation::Setlk { .. }
-            | Operation::Setlkw { .. }
             | Operation::Poll { .. }
             | Operation::Ioctl { .. }
             | Operation::Bmap { .. }
@@ -340,6 +384,10 @@ impl Handler for EtcFs {
         // drop the kernel's pages (found by tests/cluster.rs, whose first writes came
         // before the daemon had set its process-wide notifier).
         *lock(&self.inner.notifier) = Some(notifier);
+    }
+
+    fn serves_locks(&self) -> bool {
+        true
     }
 
     fn counters(&self) -> Vec<(String, u64)> {

@@ -56,6 +56,7 @@ mod locks;
 mod lookup;
 mod namespace;
 mod open;
+mod plocks;
 mod pool;
 mod resize;
 mod rw;
@@ -474,6 +475,7 @@ pub(crate) struct Inner {
     next_fh: AtomicU64,
     stopping: AtomicBool,
     data_counters: DataCounters,
+    plocks: plocks::Plocks,
 }
 
 /// Where READs and WRITEs were served, for `etcfs stats`: on the core (no etcd, no waiter)
@@ -601,6 +603,7 @@ impl EtcFs {
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),
+            plocks: plocks::Plocks::default(),
         });
         inner.revoke_dead_local_sessions();
         inner
@@ -997,6 +1000,7 @@ impl Inner {
         if self.stopping.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.release_all_locks();
         for ino in self.files.all() {
             if let Err(e) = self.sync_pending(ino) {
                 log::error!("committing pending writes of inode {ino} at unmount: {e}");

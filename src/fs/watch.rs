@@ -342,6 +342,8 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
                 i.files.forget_extents(ino.0);
             }
         }
+        // Any change may free a range (a delete, a split, a downgrade): waiters re-read.
+        Some(KeyKind::Lock(l)) => i.plocks.changed(l.ino.0),
         _ => {}
     }
 }

@@ -233,6 +233,7 @@ impl Session {
             max_pages,
             over_io_uring: use_ring,
             splice_write: true,
+            locks: handler.serves_locks(),
             ..InitConfig::default()
         };
         let (init_out, negotiated) = init::negotiate(kernel_init, &init_cfg)

@@ -1,0 +1,923 @@
+//! Cluster-wide fcntl record locks and flock locks (GETLK, SETLK, SETLKW).
+//!
+//! # Protocol
+//!
+//! * A held range is one `B<ino><session><owner><class><start>` key whose value is a
+//!   [`LockRecord`] (shared or exclusive, last byte, pid), put under the holder's session
+//!   lease: a dead node's locks vanish with its lease, and unmount deletes this node's.
+//!   The holder is (session, kernel lock owner, class): for fcntl locks the kernel's owner
+//!   is the process's file table, for flock (class 1, always the whole file) the open file
+//!   description. fcntl and flock locks never conflict with each other, as on Linux.
+//! * Set (lock or unlock a range): read `B<ino>` at revision R; a lock conflicting with the
+//!   request (another holder, same class, overlapping, one of them exclusive) answers
+//!   EAGAIN or makes SETLKW wait. Otherwise the holder's ranges are merged and split as
+//!   POSIX says ([`apply`]) and the difference ([`diff`]) commits with the compare "every
+//!   key of `B<ino>` has mod_revision < R+1" (for an unlock, of the holder's own keys):
+//!   a lock anyone took or changed after the read fails it and the request re-reads. A
+//!   key deleted after R needs no compare: a delete only removes conflicts.
+//! * Wait: SETLKW waits on a thread of its own (never a core, never a pool waiter, which
+//!   the holder's unlock may need), at most [`WAITERS_MAX`] at once. The filesystem's one
+//!   etcd watch calls [`Plocks::changed`] for every event of a `B` key, which wakes the
+//!   waiters of that file to re-read; a re-check every [`RECHECK`] covers a broken watch.
+//!   The kernel's INTERRUPT of the waiting request ([`Plocks::interrupt`]) ends the wait
+//!   with EINTR (it may arrive before the waiter registered: it is remembered).
+//! * Release: FLUSH (every close) drops the closing process's fcntl locks on the file,
+//!   RELEASE (last close of the description) its flock locks (`FUSE_RELEASE_FLOCK_UNLOCK`)
+//!   and its OFD locks (whose owner is the description: those of every owner that locked
+//!   through the file handle, the process-owned ones being gone by then). Process exit
+//!   closes its files, so the kernel sends those too.
+//!
+//! Holder pids are the holder node's: F_GETLK on another machine reports a pid that
+//! means nothing there (the kernel turns a pid it does not know into 0).
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Condvar, Mutex, MutexGuard, PoisonError,
+    },
+    time::{Duration, Instant},
+};
+
+use fusedev::{
+    abi::{FileLock, LkOut, FUSE_LK_FLOCK},
+    errno::Errno,
+    server::{Reply, RequestCtx},
+};
+use meta::{
+    codec::{LockRecord, Record},
+    keys::{KeyKind, LockKey},
+    kv::{Compare, CompareOp, CompareTarget, PutOp, RangeRequest, Txn, TxnOp},
+    types::{Ino, SessionId},
+};
+
+use super::{done_bytes, errno, lock, run_read, to_reply, Done, EtcFs, Inner};
+
+/// A waiter re-reads this often even when the watch says nothing (a broken watch).
+const RECHECK: Duration = Duration::from_secs(1);
+/// SETLKW requests waiting at once on this node; ENOLCK past it.
+pub(super) const WAITERS_MAX: usize = 256;
+/// (file, owner, class) holders this node remembers for FLUSH and RELEASE; ENOLCK past it.
+const HOLDERS_MAX: usize = 65536;
+/// INTERRUPTs remembered for requests not (yet) waiting: one can overtake its SETLKW.
+const EARLY_INTERRUPTS_MAX: usize = 64;
+/// Locks of one file read at once; ENOLCK for a file with more.
+const LOCKS_PER_FILE_MAX: i64 = 16384;
+/// Read-check-commit rounds of one SETLK that lost its compare to concurrent changes
+/// before it answers EAGAIN (SETLKW just goes on).
+const ATTEMPTS_MAX: usize = 32;
+/// `fcntl` offsets are signed: the kernel refuses a GETLK answer beyond this.
+const OFFSET_MAX: u64 = i64::MAX as u64;
+/// Shards of the per-file serialisation of this node's own lock operations.
+const SHARDS: usize = 64;
+
+// ---------------------------------------------------------------------------------------
+// Pure lock logic
+// ---------------------------------------------------------------------------------------
+
+/// One held range, bytes `start..=end`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Span {
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) write: bool,
+    pub(super) pid: u32,
+}
+
+/// Who holds a lock, cluster-wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct Holder {
+    pub(super) session: u64,
+    pub(super) owner: u64,
+    pub(super) flock: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Held {
+    pub(super) holder: Holder,
+    pub(super) span: Span,
+}
+
+fn overlaps(s: &Span, start: u64, end: u64) -> bool {
+    s.start <= end && start <= s.end
+}
+
+/// The first lock that keeps `me` from locking `start..=end` (exclusively when `write`):
+/// another holder's of the same class, overlapping, one of the two exclusive.
+pub(super) fn conflict(
+    held: &[Held],
+    me: Holder,
+    start: u64,
+    end: u64,
+    write: bool,
+) -> Option<&Held> {
+    held.iter().find(|h| {
+        h.holder != me
+            && h.holder.flock == me.flock
+            && overlaps(&h.span, start, end)
+            && (write || h.span.write)
+    })
+}
+
+/// A holder's ranges after it sets `start..=end` to `set` (`None`: unlocks it), POSIX
+/// style: the new range replaces whatever it covers, splitting ranges it cuts, and
+/// touching or overlapping ranges of the same kind merge. `own` must not overlap itself
+/// (what this returns never does). Sorted by start.
+pub(super) fn apply(own: &[Span], start: u64, end: u64, set: Option<(bool, u32)>) -> Vec<Span> {
+    let mut out = Vec::with_capacity(own.len() + 2);
+    for s in own {
+        if !overlaps(s, start, end) {
+            out.push(*s);
+            continue;
+        }
+        if s.start < start {
+            out.push(Span {
+                end: start - 1,
+                ..*s
+            });
+        }
+        if s.end > end {
+            out.push(Span {
+                start: end + 1,
+                ..*s
+            });
+        }
+    }
+    if let Some((write, pid)) = set {
+        out.push(Span {
+            start,
+            end,
+            write,
+            pid,
+        });
+    }
+    out.sort_by_key(|s| s.start);
+    let mut merged: Vec<Span> = Vec::with_capacity(out.len());
+    for s in out {
+        match merged.last_mut() {
+            Some(m) if m.write == s.write && s.start <= m.end.saturating_add(1) => {
+                // The new range's pid wins: it is the latest lock of this holder.
+                if s.start == start && set.is_some() {
+                    m.pid = s.pid;
+                }
+                m.end = m.end.max(s.end);
+            }
+            _ => merged.push(s),
+        }
+    }
+    merged
+}
+
+/// What turns `old` into `new` (both as [`apply`] returns them): the starts whose keys
+/// go, and the ranges to put (a put of an existing start replaces it).
+pub(super) fn diff(old: &[Span], new: &[Span]) -> (Vec<u64>, Vec<Span>) {
+    let deletes = old
+        .iter()
+        .filter(|o| !new.iter().any(|n| n.start == o.start))
+        .map(|o| o.start)
+        .collect();
+    let puts = new.iter().filter(|n| !old.contains(n)).copied().collect();
+    (deletes, puts)
+}
+
+/// A decoded GETLK/SETLK argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Want {
+    pub(super) flock: bool,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    /// `Some(exclusive)` to lock, `None` to unlock.
+    pub(super) lock: Option<bool>,
+    pub(super) pid: u32,
+}
+
+impl Want {
+    pub(super) fn new(lk: &FileLock, lk_flags: u32) -> Result<Want, Errno> {
+        let lock = match i32::try_from(lk.typ).map_err(|_| Errno::EINVAL)? {
+            libc::F_RDLCK => Some(false),
+            libc::F_WRLCK => Some(true),
+            libc::F_UNLCK => None,
+            _ => return Err(Errno::EINVAL),
+        };
+        let flock = lk_flags & FUSE_LK_FLOCK != 0;
+        // flock locks are whole-file whatever the kernel says the range is.
+        let (start, end) = if flock {
+            (0, OFFSET_MAX)
+        } else {
+            (lk.start, lk.end)
+        };
+        if start > end {
+            return Err(Errno::EINVAL);
+        }
+        Ok(Want {
+            flock,
+            start,
+            end,
+            lock,
+            pid: lk.pid,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Waiters, interrupts and this node's holders
+// ---------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct State {
+    /// Files somebody waits on: (changes seen by the watch, waiters).
+    files: HashMap<u64, (u64, usize)>,
+    /// Waiting requests by FUSE unique id: interrupted yet?
+    waiting: HashMap<u64, bool>,
+    /// INTERRUPTs of requests that were not waiting when they came, oldest first.
+    early: VecDeque<u64>,
+    /// (file, owner, flock) that may hold locks here: FLUSH and RELEASE of anything else
+    /// need no etcd.
+    holders: HashSet<(u64, u64, bool)>,
+    /// fcntl-class owners that locked through each open file (FUSE file handle): the
+    /// description's RELEASE drops their locks, which are its OFD locks (F_OFD_SETLK: the
+    /// owner is the description, and no FLUSH names it); the process-owned ones among them
+    /// went at the FLUSH of every close before it.
+    by_fh: HashMap<u64, (u64, HashSet<u64>)>,
+    stopping: bool,
+}
+
+/// This node's side of the locks: waiters, early interrupts and its holders.
+pub(crate) struct Plocks {
+    state: Mutex<State>,
+    changed: Condvar,
+    /// This node's own operations on one file run one at a time, so they never fail each
+    /// other's compares (sharded by inode).
+    shards: Vec<Mutex<()>>,
+    /// SETLKW threads running.
+    threads: AtomicUsize,
+}
+
+impl Default for Plocks {
+    fn default() -> Self {
+        Plocks {
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            shards: (0..SHARDS).map(|_| Mutex::new(())).collect(),
+            threads: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// A registered waiting request; unregisters when dropped.
+struct Waiter<'a> {
+    p: &'a Plocks,
+    unique: u64,
+    ino: u64,
+}
+
+impl Plocks {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn shard(&self, ino: u64) -> MutexGuard<'_, ()> {
+        let n = (ino % SHARDS as u64) as usize;
+        lock(&self.shards[n])
+    }
+
+    /// The watch saw a lock key of `ino` change: its waiters re-read.
+    pub(super) fn changed(&self, ino: u64) {
+        let mut s = self.state();
+        if let Some(f) = s.files.get_mut(&ino) {
+            f.0 += 1;
+            drop(s);
+            self.changed.notify_all();
+        }
+    }
+
+    /// The kernel interrupts request `unique` (a signal reached its caller).
+    pub(super) fn interrupt(&self, unique: u64) {
+        let mut s = self.state();
+        if let Some(i) = s.waiting.get_mut(&unique) {
+            *i = true;
+            drop(s);
+            self.changed.notify_all();
+            return;
+        }
+        if s.early.len() >= EARLY_INTERRUPTS_MAX {
+            s.early.pop_front();
+        }
+        s.early.push_back(unique);
+    }
+
+    /// Whether `owner` may hold locks of its class on `ino` here.
+    pub(super) fn holds(&self, ino: u64, owner: u64, flock: bool) -> bool {
+        self.state().holders.contains(&(ino, owner, flock))
+    }
+
+    /// Wakes every waiter for good (unmount).
+    pub(super) fn stop(&self) {
+        self.state().stopping = true;
+        self.changed.notify_all();
+    }
+
+    fn note_holder(&self, ino: u64, owner: u64, flock: bool) -> Result<(), Errno> {
+        let mut s = self.state();
+        if s.holders.len() >= HOLDERS_MAX && !s.holders.contains(&(ino, owner, flock)) {
+            return Err(Errno::ENOLCK);
+        }
+        s.holders.insert((ino, owner, flock));
+        Ok(())
+    }
+
+    /// `owner` locked `ino` through `fh`. Past [`HOLDERS_MAX`] files an OFD lock is then
+    /// kept until its process's FLUSH, unmount or the lease's end.
+    fn note_fh(&self, fh: u64, ino: u64, owner: u64) {
+        let mut s = self.state();
+        if s.by_fh.len() < HOLDERS_MAX || s.by_fh.contains_key(&fh) {
+            s.by_fh
+                .entry(fh)
+                .or_insert((ino, HashSet::new()))
+                .1
+                .insert(owner);
+        }
+    }
+
+    /// The fcntl-class owners that locked through `fh` and may still hold locks, which its
+    /// RELEASE must drop; forgets `fh`.
+    pub(super) fn take_fh(&self, fh: u64) -> Vec<u64> {
+        let mut s = self.state();
+        let Some((ino, owners)) = s.by_fh.remove(&fh) else {
+            return Vec::new();
+        };
+        owners
+            .into_iter()
+            .filter(|o| s.holders.contains(&(ino, *o, false)))
+            .collect()
+    }
+
+    fn forget_holder(&self, ino: u64, owner: u64, flock: bool) {
+        self.state().holders.remove(&(ino, owner, flock));
+    }
+
+    fn register(&self, unique: u64, ino: u64) -> Result<Waiter<'_>, Errno> {
+        let mut s = self.state();
+        if let Some(at) = s.early.iter().position(|u| *u == unique) {
+            s.early.remove(at);
+            return Err(Errno::EINTR);
+        }
+        if s.waiting.len() >= WAITERS_MAX {
+            return Err(Errno::ENOLCK);
+        }
+        s.waiting.insert(unique, false);
+        s.files.entry(ino).or_insert((0, 0)).1 += 1;
+        Ok(Waiter {
+            p: self,
+            unique,
+            ino,
+        })
+    }
+}
+
+impl Waiter<'_> {
+    /// The file's change count, taken before a read: a change after the read moves it.
+    fn changes(&self) -> u64 {
+        self.p.state().files.get(&self.ino).map_or(0, |f| f.0)
+    }
+
+    /// EINTR when the request is interrupted or the filesystem stops.
+    fn interrupted(&self) -> Result<(), Errno> {
+        let s = self.p.state();
+        if s.stopping || s.waiting.get(&self.unique).copied().unwrap_or(true) {
+            return Err(Errno::EINTR);
+        }
+        Ok(())
+    }
+
+    /// Waits until the file's locks change after `seen`, or [`RECHECK`]; EINTR when the
+    /// request is interrupted or the filesystem stops.
+    fn wait(&self, seen: u64) -> Result<(), Errno> {
+        let until = Instant::now() + RECHECK;
+        let mut s = self.p.state();
+        loop {
+            if s.stopping || s.waiting.get(&self.unique).copied().unwrap_or(true) {
+                return Err(Errno::EINTR);
+            }
+            if s.files.get(&self.ino).map_or(0, |f| f.0) != seen {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= until {
+                return Ok(());
+            }
+            s = self
+                .p
+                .changed
+                .wait_timeout(s, until - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        let mut s = self.p.state();
+        s.waiting.remove(&self.unique);
+        if let Some(f) = s.files.get_mut(&self.ino) {
+            f.1 -= 1;
+            if f.1 == 0 {
+                s.files.remove(&self.ino);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// etcd
+// ---------------------------------------------------------------------------------------
+
+/// What one read-check-commit round of a SETLK did.
+enum Round {
+    Done,
+    Conflict,
+    /// Concurrent changes kept failing the compare.
+    Busy,
+}
+
+impl Inner {
+    fn lock_session(&self) -> Result<(SessionId, i64), Errno> {
+        let s = lock(&self.session).clone().ok_or(Errno::EIO)?;
+        if !s.is_alive() {
+            // Our keys may be gone with the lease: a lock granted now would not hold.
+            return Err(Errno::ENOLCK);
+        }
+        Ok((s.id(), s.lease().0))
+    }
+
+    /// Every lock of `ino` and the revision of the read.
+    fn read_locks(&self, ino: u64) -> Result<(Vec<Held>, i64), Errno> {
+        let range = self.meta.keys().locks(Ino(ino));
+        let resp = run_read(&self.meta, move |kv, _| {
+            Box::pin(async move {
+                let req = RangeRequest::range(range.start, range.end).limit(LOCKS_PER_FILE_MAX);
+                Ok(kv.range(req).await?)
+            })
+        })
+        .map_err(|e| errno::meta(&e))?;
+        if resp.more {
+            log::warn!("inode {ino} has more than {LOCKS_PER_FILE_MAX} locks");
+            return Err(Errno::ENOLCK);
+        }
+        let keys = self.meta.keys();
+        let held = resp
+            .kvs
+            .iter()
+            .filter_map(|kv| {
+                let Some(KeyKind::Lock(k)) = keys.parse(&kv.key) else {
+                    return None;
+                };
+                let holder = Holder {
+                    session: k.session.0,
+                    owner: k.owner,
+                    flock: k.flock,
+                };
+                let span = match LockRecord::decode(&kv.value) {
+                    Ok(r) if r.end >= k.start => Span {
+                        start: k.start,
+                        end: r.end,
+                        write: r.write,
+                        pid: r.pid,
+                    },
+                    // Fail closed: an unreadable lock still excludes, until its holder
+                    // unlocks or its lease ends.
+                    other => {
+                        log::error!(
+                            "corrupt lock at key {}: {:?}",
+                            keys.describe(&kv.key),
+                            other.err()
+                        );
+                        Span {
+                            start: k.start,
+                            end: u64::MAX,
+                            write: true,
+                            pid: 0,
+                        }
+                    }
+                };
+                Some(Held { holder, span })
+            })
+            .collect();
+        Ok((held, resp.revision))
+    }
+
+    /// One SETLK (or one attempt of a SETLKW) of `owner` on `ino`.
+    fn set_once(&self, ino: u64, owner: u64, want: &Want) -> Result<Round, Errno> {
+        let (session, lease) = self.lock_session()?;
+        let me = Holder {
+            session: session.0,
+            owner,
+            flock: want.flock,
+        };
+        let keys = self.meta.keys().clone();
+        let _one = self.plocks.shard(ino);
+        for _ in 0..ATTEMPTS_MAX {
+            let (held, rev) = self.read_locks(ino)?;
+            if let Some(write) = want.lock {
+                if conflict(&held, me, want.start, want.end, write).is_some() {
+                    return Ok(Round::Conflict);
+                }
+            }
+            let own: Vec<Span> = held
+                .iter()
+                .filter(|h| h.holder == me)
+                .map(|h| h.span)
+                .collect();
+            let new = apply(&own, want.start, want.end, want.lock.map(|w| (w, want.pid)));
+            let (deletes, puts) = diff(&own, &new);
+            if deletes.is_empty() && puts.is_empty() {
+                if new.is_empty() {
+                    self.plocks.forget_holder(ino, owner, want.flock);
+                }
+                return Ok(Round::Done);
+            }
+            // Noted before the commit: a commit whose answer is lost may have locked, and
+            // the holder's FLUSH or RELEASE must then still look.
+            self.plocks.note_holder(ino, owner, want.flock)?;
+            let key_at = |start: u64| {
+                keys.lock(&LockKey {
+                    ino: Ino(ino),
+                    session,
+                    owner,
+                    flock: want.flock,
+                    start,
+                })
+            };
+            let mut ops: Vec<TxnOp> = deletes.iter().map(|s| TxnOp::delete(key_at(*s))).collect();
+            ops.extend(puts.iter().map(|s| {
+                TxnOp::Put(PutOp {
+                    key: key_at(s.start),
+                    value: LockRecord {
+                        write: s.write,
+                        end: s.end,
+                        pid: s.pid,
+                    }
+                    .encode(),
+                    lease,
+                })
+            }));
+            // An unlock conflicts with nothing: only this holder's own keys must be as read.
+            let guarded = match want.lock {
+                Some(_) => keys.locks(Ino(ino)),
+                None => keys.locks_of(Ino(ino), session, owner, want.flock),
+            };
+            let t = Txn {
+                compares: vec![Compare {
+                    key: guarded.start,
+                    range_end: Some(guarded.end),
+                    op: CompareOp::Less,
+                    target: CompareTarget::ModRevision(rev + 1),
+                }],
+                success: ops,
+                failure: vec![],
+            };
+            let ok = run_read(&self.meta, move |kv, _| {
+                Box::pin(async move { Ok(kv.txn(t).await?.succeeded) })
+            })
+            .map_err(|e| errno::meta(&e))?;
+            if ok {
+                if new.is_empty() {
+                    self.plocks.forget_holder(ino, owner, want.flock);
+                }
+                return Ok(Round::Done);
+            }
+        }
+        Ok(Round::Busy)
+    }
+
+    /// GETLK: the first lock that would keep `owner` from taking `lk`, or F_UNLCK.
+    pub(super) fn getlk(
+        &self,
+        ino: u64,
+        owner: u64,
+        lk: FileLock,
+        lk_flags: u32,
+    ) -> Result<Done, Errno> {
+        let want = Want::new(&lk, lk_flags)?;
+        let (session, _) = self.lock_session()?;
+        let me = Holder {
+            session: session.0,
+            owner,
+            flock: want.flock,
+        };
+        let (held, _) = self.read_locks(ino)?;
+        let found = want
+            .lock
+            .and_then(|write| conflict(&held, me, want.start, want.end, write));
+        let lk = match found {
+            Some(c) => FileLock {
+                start: c.span.start.min(OFFSET_MAX),
+                end: c.span.end.min(OFFSET_MAX),
+                typ: if c.span.write {
+                    libc::F_WRLCK as u32
+                } else {
+                    libc::F_RDLCK as u32
+                },
+                pid: c.span.pid,
+            },
+            None => FileLock {
+                typ: libc::F_UNLCK as u32,
+                ..lk
+            },
+        };
+        Ok(done_bytes(&LkOut { lk }))
+    }
+
+    /// SETLK through open file `fh`, and SETLKW when `wait` names the request (its FUSE
+    /// unique id).
+    pub(super) fn setlk(
+        &self,
+        (ino, fh): (u64, u64),
+        owner: u64,
+        lk: FileLock,
+        lk_flags: u32,
+        wait: Option<u64>,
+    ) -> Result<Done, Errno> {
+        let want = Want::new(&lk, lk_flags)?;
+        let r = self.set(ino, owner, &want, wait);
+        if r.is_ok() && want.lock.is_some() && !want.flock {
+            self.plocks.note_fh(fh, ino, owner);
+        }
+        r
+    }
+
+    fn set(&self, ino: u64, owner: u64, want: &Want, wait: Option<u64>) -> Result<Done, Errno> {
+        let Some(unique) = wait.filter(|_| want.lock.is_some()) else {
+            return match self.set_once(ino, owner, want)? {
+                Round::Done => Ok(Done::Empty),
+                Round::Conflict | Round::Busy => Err(Errno::EAGAIN),
+            };
+        };
+        let w = self.plocks.register(unique, ino)?;
+        loop {
+            let seen = w.changes();
+            match self.set_once(ino, owner, want)? {
+                Round::Done => return Ok(Done::Empty),
+                // Others' changes won every compare: read again at once.
+                Round::Busy => w.interrupted()?,
+                Round::Conflict => w.wait(seen)?,
+            }
+        }
+    }
+
+    /// Drops every lock of one class `owner` holds on `ino` (its close); errors are logged.
+    pub(super) fn release_locks(&self, ino: u64, owner: u64, flock: bool) {
+        let all = Want {
+            flock,
+            start: 0,
+            end: u64::MAX,
+            lock: None,
+            pid: 0,
+        };
+        let e = match self.set_once(ino, owner, &all) {
+            Ok(Round::Done) => return,
+            Ok(_) => Errno::EAGAIN,
+            Err(e) => e,
+        };
+        log::warn!("releasing the locks of owner {owner:#x} on inode {ino}: {e:?}");
+    }
+
+    /// Unmount: deletes every lock this node holds (the lease's end would, later).
+    pub(super) fn release_all_locks(&self) {
+        self.plocks.stop();
+        let holders: Vec<(u64, u64, bool)> = self.plocks.state().holders.drain().collect();
+        let Some(session) = lock(&self.session).clone() else {
+            return;
+        };
+        let keys = self.meta.keys();
+        for chunk in holders.chunks(64) {
+            let ops = chunk
+                .iter()
+                .map(|&(ino, owner, flock)| {
+                    let r = keys.locks_of(Ino(ino), session.id(), owner, flock);
+                    TxnOp::delete_range(r.start, r.end, false)
+                })
+                .collect();
+            let t = Txn {
+                compares: vec![],
+                success: ops,
+                failure: vec![],
+            };
+            if let Err(e) = run_read(&self.meta, move |kv, _| {
+                Box::pin(async move { Ok(kv.txn(t).await?.succeeded) })
+            }) {
+                log::warn!("deleting this node's locks at unmount: {e}");
+            }
+        }
+    }
+}
+
+impl EtcFs {
+    /// SETLKW on a thread of its own: it may wait for as long as another holder keeps its
+    /// lock, which must neither stall a core nor take a pool waiter that the holder's
+    /// unlock needs.
+    pub(super) fn setlkw(
+        &self,
+        ctx: &RequestCtx<'_>,
+        out: &mut [u8],
+        (unique, ino, fh): (u64, u64, u64),
+        owner: u64,
+        lk: FileLock,
+        lk_flags: u32,
+    ) -> Reply {
+        let Some(d) = ctx.defer() else {
+            let r = self
+                .inner
+                .setlk((ino, fh), owner, lk, lk_flags, Some(unique));
+            return to_reply(r, out);
+        };
+        let threads = &self.inner.plocks.threads;
+        if threads.fetch_add(1, Ordering::AcqRel) >= WAITERS_MAX {
+            threads.fetch_sub(1, Ordering::AcqRel);
+            d.error(Errno::ENOLCK);
+            return Reply::Deferred;
+        }
+        let inner = self.inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name("etcfs-lockwait".into())
+            .spawn(move || {
+                match inner.setlk((ino, fh), owner, lk, lk_flags, Some(unique)) {
+                    Ok(_) => d.bytes(Vec::new()),
+                    Err(e) => d.error(e),
+                }
+                inner.plocks.threads.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            // The reply went with the closure: dropped unanswered, it answers EIO.
+            log::error!("spawning a lock waiter: {e}");
+            threads.fetch_sub(1, Ordering::AcqRel);
+        }
+        Reply::Deferred
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sp(start: u64, end: u64, write: bool) -> Span {
+        Span {
+            start,
+            end,
+            write,
+            pid: 7,
+        }
+    }
+
+    const ME: Holder = Holder {
+        session: 1,
+        owner: 10,
+        flock: false,
+    };
+    const OTHER: Holder = Holder {
+        session: 2,
+        owner: 10,
+        flock: false,
+    };
+
+    #[test]
+    fn conflicts_need_overlap_another_holder_and_a_writer() {
+        let held = [
+            Held {
+                holder: OTHER,
+                span: sp(10, 19, false),
+            },
+            Held {
+                holder: OTHER,
+                span: sp(30, 39, true),
+            },
+            Held {
+                holder: ME,
+                span: sp(50, 59, true),
+            },
+        ];
+        assert!(conflict(&held, ME, 0, 9, true).is_none());
+        assert!(
+            conflict(&held, ME, 15, 25, false).is_none(),
+            "readers share"
+        );
+        assert_eq!(
+            conflict(&held, ME, 15, 25, true).map(|h| h.span),
+            Some(sp(10, 19, false))
+        );
+        assert_eq!(
+            conflict(&held, ME, 39, 39, false).map(|h| h.span),
+            Some(sp(30, 39, true))
+        );
+        assert!(conflict(&held, ME, 50, 59, true).is_none(), "own locks");
+        let flock = Holder { flock: true, ..ME };
+        assert!(
+            conflict(&held, flock, 0, u64::MAX, true).is_none(),
+            "flock and fcntl locks are independent"
+        );
+        let same_owner_other_node = Holder { session: 2, ..ME };
+        assert!(conflict(&held, same_owner_other_node, 50, 50, false).is_some());
+    }
+
+    #[test]
+    fn apply_splits_merges_and_replaces() {
+        // Unlocking the middle splits.
+        let own = [sp(0, 99, true)];
+        assert_eq!(
+            apply(&own, 10, 19, None),
+            vec![sp(0, 9, true), sp(20, 99, true)]
+        );
+        // Adjacent and overlapping ranges of one kind merge.
+        let own = [sp(0, 9, false), sp(20, 29, false)];
+        assert_eq!(
+            apply(&own, 10, 19, Some((false, 7))),
+            vec![sp(0, 29, false)]
+        );
+        assert_eq!(apply(&own, 5, 25, Some((false, 7))), vec![sp(0, 29, false)]);
+        // A different kind replaces the part it covers.
+        assert_eq!(
+            apply(&[sp(0, 99, false)], 40, 59, Some((true, 7))),
+            vec![sp(0, 39, false), sp(40, 59, true), sp(60, 99, false)]
+        );
+        // Whole-file unlock and edges at the ends of the offset space.
+        assert_eq!(apply(&[sp(0, u64::MAX, true)], 0, u64::MAX, None), vec![]);
+        assert_eq!(
+            apply(&[sp(0, u64::MAX, true)], 0, 0, None),
+            vec![sp(1, u64::MAX, true)]
+        );
+        assert_eq!(
+            apply(
+                &[sp(5, u64::MAX, true)],
+                u64::MAX,
+                u64::MAX,
+                Some((true, 7))
+            ),
+            vec![sp(5, u64::MAX, true)]
+        );
+        // Re-locking the same range changes nothing.
+        assert_eq!(
+            apply(&[sp(1, 2, true)], 1, 2, Some((true, 7))),
+            vec![sp(1, 2, true)]
+        );
+    }
+
+    #[test]
+    fn diff_names_the_keys_to_change() {
+        let old = [sp(0, 99, true)];
+        let new = apply(&old, 10, 19, None);
+        let (del, put) = diff(&old, &new);
+        assert!(del.is_empty(), "start 0 is rewritten, not deleted");
+        assert_eq!(put, vec![sp(0, 9, true), sp(20, 99, true)]);
+        let (del, put) = diff(&new, &[]);
+        assert_eq!((del, put), (vec![0, 20], vec![]));
+        assert_eq!(diff(&old, &old), (vec![], vec![]));
+    }
+
+    #[test]
+    fn want_decodes_the_kernels_lock() {
+        let lk = |typ: i32, start, end| FileLock {
+            start,
+            end,
+            typ: typ as u32,
+            pid: 42,
+        };
+        let w = Want::new(&lk(libc::F_WRLCK, 5, 9), 0).unwrap();
+        assert_eq!(
+            (w.flock, w.start, w.end, w.lock, w.pid),
+            (false, 5, 9, Some(true), 42)
+        );
+        assert_eq!(Want::new(&lk(libc::F_UNLCK, 0, 0), 0).unwrap().lock, None);
+        let f = Want::new(&lk(libc::F_RDLCK, 3, 4), FUSE_LK_FLOCK).unwrap();
+        assert_eq!(
+            (f.flock, f.start, f.end, f.lock),
+            (true, 0, OFFSET_MAX, Some(false))
+        );
+        assert_eq!(Want::new(&lk(7, 0, 0), 0), Err(Errno::EINVAL));
+        assert_eq!(Want::new(&lk(libc::F_RDLCK, 9, 5), 0), Err(Errno::EINVAL));
+    }
+
+    #[test]
+    fn interrupts_reach_waiters_even_early() {
+        let p = Plocks::default();
+        p.interrupt(5);
+        assert_eq!(p.register(5, 1).err(), Some(Errno::EINTR));
+        let w = p.register(6, 1).unwrap();
+        let seen = w.changes();
+        p.changed(1);
+        assert_eq!(w.wait(seen), Ok(()), "a change wakes");
+        p.interrupt(6);
+        assert_eq!(w.wait(w.changes()), Err(Errno::EINTR));
+        drop(w);
+        assert!(p.state().files.is_empty() && p.state().waiting.is_empty());
+        let many: Vec<_> = (0..WAITERS_MAX as u64)
+            .map(|u| p.register(100 + u, 2).unwrap())
+            .collect();
+        assert_eq!(p.register(1, 2).err(), Some(Errno::ENOLCK));
+        drop(many);
+        for u in 0..2 * EARLY_INTERRUPTS_MAX as u64 {
+            p.interrupt(1000 + u);
+        }
+        assert_eq!(p.state().early.len(), EARLY_INTERRUPTS_MAX);
+    }
+}
