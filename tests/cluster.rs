@@ -217,3 +217,115 @@ fn a_stat_sees_a_write_still_behind_on_the_writer() {
         assert!(tail.iter().all(|&x| x == 7), "write {i}: B reads A's bytes");
     }
 }
+
+/// fsx across nodes: each operation goes through one of two nodes chosen at random (both
+/// have the file open the whole time), and after every one the whole file, read through
+/// a node chosen at random, must equal the model.
+#[test]
+fn random_operations_through_two_nodes_match_a_model() {
+    use rand::{rngs::SmallRng, Rng as _, SeedableRng as _};
+    const STEPS: usize = 300;
+    const SPAN: u64 = 256 << 10;
+    let Some((_fs, a, b)) = two_nodes("random_operations_through_two_nodes") else {
+        return;
+    };
+    let seed: u64 = std::env::var("CLUSTER_FSX_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| u64::from(std::process::id()));
+    eprintln!("cluster fsx seed {seed} (CLUSTER_FSX_SEED replays it)");
+    let mut rng = SmallRng::seed_from_u64(seed);
+    File::create(a.path("x")).expect("create");
+    let open = |d: &Daemon| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(d.path("x"))
+            .expect("open")
+    };
+    let files = [open(&a), open(&b)];
+    let mut model: Vec<u8> = Vec::new();
+    let mut log: Vec<String> = Vec::new();
+    for step in 0..STEPS {
+        let n = rng.gen_range(0..2);
+        let f = &files[n];
+        match rng.gen_range(0..10) {
+            0..=5 => {
+                let off = rng.gen_range(0..SPAN);
+                let len = rng.gen_range(1..=32768usize);
+                let data: Vec<u8> = (0..len).map(|_| rng.gen_range(1..=255u8)).collect();
+                f.write_all_at(&data, off).expect("write");
+                let end = off as usize + len;
+                if model.len() < end {
+                    model.resize(end, 0);
+                }
+                model[off as usize..end].copy_from_slice(&data);
+                log.push(format!("{step}: node {n} write {off}+{len}"));
+            }
+            6..=7 => {
+                let size = rng.gen_range(0..SPAN);
+                f.set_len(size).expect("truncate");
+                model.resize(size as usize, 0);
+                log.push(format!("{step}: node {n} truncate {size}"));
+            }
+            8 => {
+                f.sync_all().expect("fsync");
+                log.push(format!("{step}: node {n} fsync"));
+            }
+            _ => {
+                let m = f.metadata().expect("fstat");
+                assert_eq!(
+                    m.len(),
+                    model.len() as u64,
+                    "step {step}: fstat on node {n}"
+                );
+                log.push(format!("{step}: node {n} fstat"));
+            }
+        }
+        let r = rng.gen_range(0..2);
+        let len = files[r].metadata().expect("fstat").len() as usize;
+        let mut got = vec![0u8; len];
+        files[r].read_exact_at(&mut got, 0).expect("read");
+        if got != model {
+            let at = got.iter().zip(&model).position(|(x, y)| x != y);
+            let tail: Vec<&String> = log.iter().rev().take(8).collect();
+            panic!(
+                "seed {seed} step {step}: node {r} reads {} bytes, the model has {}; first \
+                 difference at {at:?}; last operations (newest first): {tail:#?}",
+                got.len(),
+                model.len()
+            );
+        }
+    }
+}
+
+/// A node killed while it holds a file's lock exclusively, with writes behind: the other
+/// node gets the lock once the dead node's lease runs out, and reads everything the dead
+/// node had fsync'd.
+#[test]
+fn a_killed_holder_gives_its_lock_up_with_its_lease() {
+    let Some((_fs, a, b)) = two_nodes("a_killed_holder_gives_its_lock_up") else {
+        return;
+    };
+    let fa = File::create(a.path("k")).expect("create on A");
+    let synced = pattern(9, 256 << 10);
+    fa.write_all_at(&synced, 0).expect("write on A");
+    fa.sync_all().expect("fsync on A");
+    // Behind, never synced: may be lost with A.
+    fa.write_all_at(&pattern(10, 64 << 10), 256 << 10)
+        .expect("write behind on A");
+    assert!(a.crash(), "A's daemon exits by itself after SIGKILL");
+    let t = std::time::Instant::now();
+    let got = read_all(&b.path("k"));
+    let waited = t.elapsed();
+    eprintln!("B read after {waited:?} (the dead node's lease had to run out)");
+    assert!(got.len() >= synced.len(), "the fsync'd bytes are all there");
+    assert!(
+        got[..synced.len()] == synced,
+        "and they read back as written"
+    );
+    assert!(
+        waited < std::time::Duration::from_secs(30),
+        "B waited {waited:?} for a dead node's lock"
+    );
+}
