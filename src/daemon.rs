@@ -99,6 +99,7 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
         negative_timeout: seconds(args.negative_timeout, "--negative-timeout")?,
         dir_names_max: args.dir_names_max as usize,
         cores: cpus.len(),
+        lock_min_hold: std::time::Duration::from_millis(args.lock_min_hold_ms),
     })?);
     let result = serve(&args, &cpus, handler);
     drop(private_etcd);

@@ -120,6 +120,11 @@ pub(crate) struct MountArgs {
     /// Seconds the kernel may cache an absent name (kept coherent by the etcd watch).
     #[arg(long, default_value_t = 60.0)]
     pub(crate) negative_timeout: f64,
+    /// Milliseconds a node that keeps using a file may keep its cluster lock after it got
+    /// it, before giving way to another node: more work per turn when nodes take turns on
+    /// one file. A node that stopped using the file gives way at once.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub(crate) lock_min_hold_ms: u64,
     /// Names a directory may have for its whole name set to be read in one etcd range on
     /// the first lookup (later lookups in it, found or not, need no etcd); a larger
     /// directory is looked up name by name.

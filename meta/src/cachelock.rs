@@ -24,7 +24,10 @@ use crate::{
     codec::{decode_at, Record},
     error::MetaError,
     keys::{KeyKind, Keyspace},
-    kv::{Compare, CompareOp, CompareTarget, KvBackend, PutOp, RangeRequest, Txn, TxnOp},
+    kv::{
+        Compare, CompareOp, CompareTarget, KvBackend, PutOp, RangeRequest, Txn, TxnOp,
+        TxnOpResponse,
+    },
     types::{Ino, SessionId},
 };
 
@@ -86,13 +89,47 @@ pub fn conflicting(
         .collect()
 }
 
+/// What a node knows of a file's holders: the whole set as of a store revision. Kept
+/// current from the watch (an event newer than `revision` is applied, an older one is
+/// already in it), it lets an acquire commit in one round trip, its compare failing only
+/// when the set changed since.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Known {
+    /// The store revision the set is as of.
+    pub revision: i64,
+    /// Holders and their modes (`None`: a record that does not decode).
+    pub holders: Vec<(SessionId, Option<LockMode>)>,
+}
+
+impl Known {
+    /// Applies a watch event of `session`'s key at `revision` (`mode: None`: deleted), if
+    /// newer than what is known.
+    pub fn apply(&mut self, revision: i64, session: SessionId, mode: Option<Option<LockMode>>) {
+        if revision <= self.revision {
+            return;
+        }
+        self.revision = revision;
+        self.holders.retain(|(s, _)| *s != session);
+        if let Some(m) = mode {
+            self.holders.push((session, m));
+        }
+    }
+}
+
 /// What an acquire attempt found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Acquired {
-    /// Held now, from this store revision on.
-    Granted { revision: i64 },
+    /// Held now, from this store revision on; with the key asked to be read in the same
+    /// transaction (the file's attributes, as of the grant).
+    Granted {
+        revision: i64,
+        extra: Option<crate::kv::KeyValue>,
+    },
     /// These sessions hold conflicting modes; our wait (`Q`) is recorded.
-    Busy { holders: Vec<SessionId> },
+    Busy {
+        holders: Vec<SessionId>,
+        known: Known,
+    },
 }
 
 /// One session's handle on the cache locks.
@@ -104,8 +141,8 @@ pub struct CacheLocks {
     lease: i64,
 }
 
-/// Attempts of the read-then-compare acquire before reporting `Busy` with nobody named
-/// (a hot lock changing hands under us: the caller waits for the next change).
+/// Attempts before reporting `Busy` with nobody named (a hot lock changing hands under
+/// us: the caller waits for the next change).
 const ACQUIRE_TRIES: usize = 4;
 
 impl CacheLocks {
@@ -124,64 +161,123 @@ impl CacheLocks {
         self.me
     }
 
+    /// The holders in a range answer.
+    fn holders(&self, r: &crate::kv::RangeResponse) -> Vec<(SessionId, Option<LockMode>)> {
+        r.kvs
+            .iter()
+            .filter_map(|kv| match self.keys.parse(&kv.key) {
+                Some(KeyKind::CacheLock(_, s)) => {
+                    let m = decode_at::<CacheLock>(&self.keys, &kv.key, &kv.value);
+                    if let Err(e) = &m {
+                        log::warn!("{e}: counted as an exclusive lock");
+                    }
+                    Some((s, m.ok().map(|c| c.mode)))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Takes (or upgrades to) `want` on `ino` when no other session holds a conflicting
-    /// mode; otherwise records that we wait.
-    pub async fn acquire(&self, ino: Ino, want: LockMode) -> Result<Acquired, MetaError> {
+    /// mode, reading `extra` in the same transaction; otherwise records that we wait.
+    /// `known`: the holders as the caller last knew them (`None`: assume nobody). One
+    /// round trip when that is right.
+    pub async fn acquire(
+        &self,
+        ino: Ino,
+        want: LockMode,
+        known: Option<Known>,
+        extra: Option<Vec<u8>>,
+    ) -> Result<Acquired, MetaError> {
         let range = self.keys.cache_locks(ino);
         let mine = self.keys.cache_lock(ino, self.me);
         let wait_key = self.keys.cache_want(ino, self.me);
         let value = CacheLock { mode: want }.encode();
+        let read_range =
+            || TxnOp::Range(RangeRequest::range(range.start.clone(), range.end.clone()));
+        let range_of = |resp: &crate::kv::TxnResponse, at: usize| match resp.responses.get(at) {
+            Some(TxnOpResponse::Range(r)) => Some(Known {
+                revision: resp.revision,
+                holders: self.holders(r),
+            }),
+            _ => None,
+        };
+        let mut known = known;
         for _ in 0..ACQUIRE_TRIES {
-            let r = self
-                .kv
-                .range(RangeRequest::range(range.start.clone(), range.end.clone()))
-                .await?;
-            let holders: Vec<(SessionId, Option<LockMode>)> = r
-                .kvs
-                .iter()
-                .filter_map(|kv| match self.keys.parse(&kv.key) {
-                    Some(KeyKind::CacheLock(_, s)) => {
-                        let m = decode_at::<CacheLock>(&self.keys, &kv.key, &kv.value);
-                        if let Err(e) = &m {
-                            log::warn!("{e}: counted as an exclusive lock");
-                        }
-                        Some((s, m.ok().map(|c| c.mode)))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let busy = conflicting(&holders, self.me, want);
-            if !busy.is_empty() {
-                self.put(wait_key, value).await?;
-                return Ok(Acquired::Busy { holders: busy });
-            }
-            let t = Txn {
-                compares: vec![Compare {
-                    key: range.start.clone(),
-                    range_end: Some(range.end.clone()),
-                    op: CompareOp::Less,
-                    target: CompareTarget::ModRevision(r.revision + 1),
-                }],
-                success: vec![
+            let busy = known
+                .as_ref()
+                .map(|k| conflicting(&k.holders, self.me, want))
+                .unwrap_or_default();
+            if busy.is_empty() {
+                // Nobody is in the way as far as we know: take it, on the compare that the
+                // holders did not change since (or that there are none).
+                let compare = match &known {
+                    Some(k) => Compare {
+                        key: range.start.clone(),
+                        range_end: Some(range.end.clone()),
+                        op: CompareOp::Less,
+                        target: CompareTarget::ModRevision(k.revision + 1),
+                    },
+                    None => Compare::range_empty(range.start.clone(), range.end.clone()),
+                };
+                let mut success = vec![
                     TxnOp::Put(PutOp {
                         key: mine.clone(),
                         value: value.clone(),
                         lease: self.lease,
                     }),
                     TxnOp::delete(wait_key.clone()),
+                ];
+                if let Some(k) = &extra {
+                    success.push(TxnOp::Range(RangeRequest::key(k.clone())));
+                }
+                let t = Txn {
+                    compares: vec![compare],
+                    success,
+                    failure: vec![read_range()],
+                };
+                let resp = self.kv.txn(t).await?;
+                if resp.succeeded {
+                    let extra = match resp.responses.get(2) {
+                        Some(TxnOpResponse::Range(r)) => r.kvs.first().cloned(),
+                        _ => None,
+                    };
+                    return Ok(Acquired::Granted {
+                        revision: resp.revision,
+                        extra,
+                    });
+                }
+                known = range_of(&resp, 0);
+                continue;
+            }
+            // Someone is in the way: say that we wait, and see who holds it now.
+            let t = Txn {
+                compares: vec![],
+                success: vec![
+                    TxnOp::Put(PutOp {
+                        key: wait_key.clone(),
+                        value: value.clone(),
+                        lease: self.lease,
+                    }),
+                    read_range(),
                 ],
                 failure: vec![],
             };
             let resp = self.kv.txn(t).await?;
-            if resp.succeeded {
-                return Ok(Acquired::Granted {
-                    revision: resp.revision,
-                });
+            let now = range_of(&resp, 1).unwrap_or_default();
+            let holders = conflicting(&now.holders, self.me, want);
+            if holders.is_empty() {
+                known = Some(now);
+                continue;
             }
+            return Ok(Acquired::Busy {
+                holders,
+                known: now,
+            });
         }
-        self.put(wait_key, value).await?;
         Ok(Acquired::Busy {
             holders: Vec::new(),
+            known: known.unwrap_or_default(),
         })
     }
 
@@ -265,6 +361,22 @@ mod tests {
     }
 
     #[test]
+    fn known_holders_follow_only_newer_events() {
+        use LockMode::*;
+        let mut k = Known {
+            revision: 10,
+            holders: vec![(SessionId(1), Some(Shared))],
+        };
+        k.apply(9, SessionId(2), Some(Some(Exclusive)));
+        assert_eq!(k.holders.len(), 1, "an event the read already saw");
+        k.apply(11, SessionId(1), Some(Some(Exclusive)));
+        k.apply(12, SessionId(3), Some(Some(Shared)));
+        k.apply(13, SessionId(1), None);
+        assert_eq!(k.revision, 13);
+        assert_eq!(k.holders, vec![(SessionId(3), Some(Shared))]);
+    }
+
+    #[test]
     fn two_sessions_share_then_one_waits_for_exclusive() {
         let clock = Arc::new(ManualClock::new(crate::types::Timespec {
             sec: 1_000_000,
@@ -285,20 +397,18 @@ mod tests {
         block_on(async {
             use LockMode::*;
             assert!(matches!(
-                a.acquire(ino, Shared).await,
+                a.acquire(ino, Shared, None, None).await,
                 Ok(Acquired::Granted { .. })
             ));
             assert!(matches!(
-                b.acquire(ino, Shared).await,
+                b.acquire(ino, Shared, None, None).await,
                 Ok(Acquired::Granted { .. })
             ));
             // An upgrade waits for the other reader and says so with a Q record.
-            assert_eq!(
-                a.acquire(ino, Exclusive).await.expect("acquire"),
-                Acquired::Busy {
-                    holders: vec![b.session()]
-                }
-            );
+            assert!(matches!(
+                a.acquire(ino, Exclusive, None, None).await.expect("acquire"),
+                Acquired::Busy { holders, .. } if holders == vec![b.session()]
+            ));
             let q = kv
                 .range(RangeRequest::key(keys.cache_want(ino, a.session())))
                 .await
@@ -306,7 +416,7 @@ mod tests {
             assert_eq!(q.kvs.len(), 1);
             b.release(ino).await.expect("release");
             assert!(matches!(
-                a.acquire(ino, Exclusive).await,
+                a.acquire(ino, Exclusive, None, None).await,
                 Ok(Acquired::Granted { .. })
             ));
             // Granting cleared the wait record; the other reader now waits.
@@ -316,12 +426,12 @@ mod tests {
                 .expect("range");
             assert!(q.kvs.is_empty());
             assert!(matches!(
-                b.acquire(ino, Shared).await,
+                b.acquire(ino, Shared, None, None).await,
                 Ok(Acquired::Busy { .. })
             ));
             a.downgrade(ino).await.expect("downgrade");
             assert!(matches!(
-                b.acquire(ino, Shared).await,
+                b.acquire(ino, Shared, None, None).await,
                 Ok(Acquired::Granted { .. })
             ));
         });

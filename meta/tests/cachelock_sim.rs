@@ -22,7 +22,7 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use meta::{
-    cachelock::{Acquired, CacheLock, CacheLocks, LockMode},
+    cachelock::{Acquired, CacheLock, CacheLocks, Known, LockMode},
     clock::ManualClock,
     codec::Record,
     keys::{KeyKind, Keyspace},
@@ -57,6 +57,9 @@ struct Node {
     /// The lock keys (value, mod revision) as of its last watch delivery: a put of an
     /// unchanged value is still an event.
     seen: BTreeMap<Vec<u8>, (Vec<u8>, i64)>,
+    /// The holders as of its last delivery or acquire answer (possibly stale: the
+    /// acquire's compare must catch that).
+    known: Option<Known>,
 }
 
 struct World {
@@ -114,6 +117,7 @@ impl World {
             cached: None,
             behind: None,
             seen: BTreeMap::new(),
+            known: None,
         }
     }
 
@@ -160,6 +164,27 @@ impl World {
             }
         }
         self.nodes[i].asked = asked;
+        let r = self.keys.cache_locks(INO);
+        let resp = self
+            .rt
+            .block_on(self.kv.range(RangeRequest::range(r.start, r.end)))
+            .unwrap();
+        // A watch delivers every change in order: what it knows is the whole set as of
+        // the revision it reached.
+        let known = Known {
+            revision: resp.revision,
+            holders: resp
+                .kvs
+                .iter()
+                .filter_map(|kv| match self.keys.parse(&kv.key) {
+                    Some(KeyKind::CacheLock(_, s)) => {
+                        Some((s, Some(CacheLock::decode(&kv.value).unwrap().mode)))
+                    }
+                    _ => None,
+                })
+                .collect(),
+        };
+        self.nodes[i].known = Some(known);
         self.nodes[i].seen = now;
     }
 
@@ -196,15 +221,24 @@ impl World {
         };
         if self.nodes[i].held.is_none_or(|h| h < need) {
             let locks = self.nodes[i].locks.clone();
-            match self.rt.block_on(locks.acquire(INO, need)).unwrap() {
+            let known = self.nodes[i].known.clone();
+            match self
+                .rt
+                .block_on(locks.acquire(INO, need, known, None))
+                .unwrap()
+            {
                 Acquired::Granted { .. } => {
                     let n = &mut self.nodes[i];
+                    n.known = None;
                     if n.held.is_none() {
                         n.cached = None;
                     }
                     n.held = Some(need.max(n.held.unwrap_or(need)));
                 }
-                Acquired::Busy { .. } => return,
+                Acquired::Busy { known, .. } => {
+                    self.nodes[i].known = Some(known);
+                    return;
+                }
             }
         }
         let n = &mut self.nodes[i];

@@ -18,7 +18,7 @@
 //!   and sleeps until the watch shows a change of the file's holders (a re-check each
 //!   [`RECHECK`] covers a missed event), at most [`ACQUIRE_WAIT_MAX`], then EIO.
 //! * **Giving way.** The holder's watch sees the `Q` record and queues the file for the
-//!   lock thread ([`Inner::give_way`]). After a minimum hold ([`MIN_HOLD`]), it stops new
+//!   lock thread ([`Inner::give_way`]). After a minimum hold (`--lock-min-hold-ms`), it stops new
 //!   operations on the file, waits for the ones in progress and for the file's device I/O,
 //!   commits what it has written behind (an exclusive holder's data and mtime reach etcd
 //!   and the device), and then:
@@ -54,7 +54,7 @@ use std::{
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use meta::{
-    cachelock::{Acquired, CacheLocks, LockMode},
+    cachelock::{Acquired, CacheLocks, Known, LockMode},
     error::MetaError,
     types::Ino,
 };
@@ -66,10 +66,9 @@ use meta::types::FileType;
 /// Locks this node keeps in its table; over it, those of files not open and not in use
 /// are given back (housekeeping).
 pub(crate) const LOCKS_MAX: usize = 1 << 16;
-/// How long a node keeps a lock it was just granted before giving way: a node taking
-/// turns with another on one file gets some work done per turn instead of bouncing the
-/// lock on every operation (GFS2 holds a glock 200 ms by default, adaptively).
-pub(crate) const MIN_HOLD: Duration = Duration::from_millis(5);
+/// A holder unused this long gives way at once, whatever `--lock-min-hold-ms` says: the
+/// minimum hold is for a node in the middle of using the file.
+const IDLE_GIVES_WAY: Duration = Duration::from_millis(1);
 /// How long an operation waits for another node to give a lock up before EIO. Longer
 /// than a lease, so a dead holder's lock has expired by then.
 pub(crate) const ACQUIRE_WAIT_MAX: Duration = Duration::from_secs(30);
@@ -118,8 +117,13 @@ struct State {
     wanted: Option<LockMode>,
     /// Bumped when the watch sees the file's holders change.
     changed: u64,
+    /// The holders as last known (from a refused acquire, kept current by the watch):
+    /// what lets the next acquire commit in one round trip.
+    known: Option<Known>,
     /// Pages to invalidate once the operations that were waiting on them have run.
     stale: Vec<Range>,
+    /// When an operation last let the lock go.
+    last_used: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -157,6 +161,7 @@ impl Drop for Hold {
     fn drop(&mut self) {
         let mut s = self.entry.lock();
         s.users -= 1;
+        s.last_used = Some(Instant::now());
         let stale = s.users == 0 && !s.stale.is_empty() && !s.releasing;
         drop(s);
         self.entry.cv.notify_all();
@@ -172,6 +177,11 @@ pub(crate) struct LockTable {
     etcd: CacheLocks,
     jobs: Sender<Job>,
     jobs_rx: Mutex<Option<Receiver<Job>>>,
+    /// How long a lock just granted is kept before giving way (`--lock-min-hold-ms`): a
+    /// node taking turns with another on one file gets more done per turn instead of
+    /// bouncing the lock on every operation (GFS2 holds a glock 200 ms by default), and
+    /// a node gives way sooner only when it has not used the lock for `IDLE_GIVES_WAY`.
+    min_hold: Duration,
 }
 
 fn covers(ranges: &[Range], r: Range) -> bool {
@@ -209,13 +219,14 @@ fn remove_one(v: &mut Vec<Range>, r: Range) {
 }
 
 impl LockTable {
-    pub(crate) fn new(etcd: CacheLocks) -> LockTable {
+    pub(crate) fn new(etcd: CacheLocks, min_hold: Duration) -> LockTable {
         let (tx, rx) = bounded(JOBS_MAX);
         LockTable {
             map: Mutex::new(HashMap::new()),
             etcd,
             jobs: tx,
             jobs_rx: Mutex::new(Some(rx)),
+            min_hold,
         }
     }
 
@@ -292,11 +303,31 @@ impl LockTable {
         }
     }
 
-    /// The watch saw the holders of `ino` change: waiters try again.
-    pub(crate) fn holders_changed(&self, ino: u64) {
+    /// The watch saw `session`'s key of `ino` put with `mode` (`None`: deleted) at
+    /// `rev`: what is known of the holders follows, and waiters try again.
+    pub(crate) fn holders_changed(
+        &self,
+        ino: u64,
+        rev: i64,
+        session: meta::types::SessionId,
+        mode: Option<Option<LockMode>>,
+    ) {
         if let Some(e) = self.get(ino) {
-            e.lock().changed += 1;
+            let mut s = e.lock();
+            s.changed += 1;
+            if let Some(k) = &mut s.known {
+                k.apply(rev, session, mode);
+            }
+            drop(s);
             e.cv.notify_all();
+        }
+    }
+
+    /// Forgets what is known of every file's holders (the watch missed events): the next
+    /// acquires read them again.
+    pub(crate) fn forget_known(&self) {
+        for e in self.table().values() {
+            e.lock().known = None;
         }
     }
 
@@ -417,18 +448,23 @@ impl Inner {
             s.acquiring = true;
             let seen = s.changed;
             let was_held = s.held.is_some();
+            let known = s.known.clone();
             drop(s);
-            let r =
-                self.with_locks(move |l| Box::pin(async move { l.acquire(Ino(ino), mode).await }));
+            // The attributes come with the grant: a fresh lock needs them anyway.
+            let attr_key = (!was_held).then(|| self.meta.keys().inode(Ino(ino)));
+            let r = self.with_locks(move |l| {
+                Box::pin(async move { l.acquire(Ino(ino), mode, known, attr_key).await })
+            });
             s = e.lock();
             s.acquiring = false;
             e.cv.notify_all();
             match r {
-                Ok(Acquired::Granted { revision }) => {
+                Ok(Acquired::Granted { revision, extra }) => {
                     log::debug!("inode {ino}: granted {mode:?} at {revision}");
                     s.held = Some(mode.max(s.held.unwrap_or(mode)));
                     s.granted_rev = revision;
                     s.granted_at = Some(Instant::now());
+                    s.known = None;
                     self.caches.n.cache_locks_taken.fetch_add(1, Relaxed);
                     if !was_held {
                         // Before anyone uses the lock (found by tests/cluster.rs: a
@@ -436,7 +472,7 @@ impl Inner {
                         // size cached before it).
                         s.refreshing = true;
                         drop(s);
-                        let r = self.refresh_file(ino);
+                        let r = self.refresh_file(ino, extra.map(|kv| (kv, revision)));
                         s = e.lock();
                         s.refreshing = false;
                         e.cv.notify_all();
@@ -444,7 +480,8 @@ impl Inner {
                     }
                     return Ok(hold(&mut s));
                 }
-                Ok(Acquired::Busy { holders }) => {
+                Ok(Acquired::Busy { holders, known }) => {
+                    s.known = Some(known);
                     log::debug!("inode {ino}: waiting for {holders:?} to give way ({mode:?})");
                     self.caches.n.cache_lock_waits.fetch_add(1, Relaxed);
                     if s.changed == seen {
@@ -489,15 +526,31 @@ impl Inner {
     }
 
     /// After taking a lock: the attributes, block count and extent map cached before it
-    /// may predate another node's writes.
-    fn refresh_file(&self, ino: u64) -> Result<(), Errno> {
+    /// may predate another node's writes. `granted`: the inode as read by the grant, at
+    /// the grant's revision.
+    fn refresh_file(
+        &self,
+        ino: u64,
+        granted: Option<(meta::kv::KeyValue, i64)>,
+    ) -> Result<(), Errno> {
         self.caches.forget_attr(ino);
         self.caches.forget_blocks(ino);
         if let Some(st) = self.files.get(ino) {
-            let (attr, rev) = match self.meta.get_inode_at(Ino(ino)).and_then(|t| t.wait()) {
-                Ok((Some(a), rev)) => (a, rev.0),
-                Ok((None, _)) => return Err(Errno::ENOENT),
-                Err(e) => return Err(errno::meta(&e)),
+            let (attr, rev) = match granted {
+                Some((kv, rev)) => {
+                    let a = meta::codec::decode_at::<meta::codec::InodeAttr>(
+                        self.meta.keys(),
+                        &kv.key,
+                        &kv.value,
+                    )
+                    .map_err(|e| errno::meta(&e))?;
+                    (a, rev)
+                }
+                None => match self.meta.get_inode_at(Ino(ino)).and_then(|t| t.wait()) {
+                    Ok((Some(a), rev)) => (a, rev.0),
+                    Ok((None, _)) => return Err(Errno::ENOENT),
+                    Err(e) => return Err(errno::meta(&e)),
+                },
             };
             let mut f = st.lock();
             f.set_attr(&attr, rev);
@@ -549,12 +602,18 @@ impl Inner {
         if !held.conflicts(want) || s.releasing {
             return;
         }
+        // Kept while this node is using it, up to the minimum hold after the grant: a
+        // node working on the file gets a turn's worth done; an idle one gives way at once.
         if let Some(t) = s.granted_at {
-            let until = t + MIN_HOLD;
-            let now = Instant::now();
-            if now < until {
+            let until = t + self.locks.min_hold;
+            loop {
+                let now = Instant::now();
+                let idle = s.users == 0 && s.last_used.is_none_or(|u| now >= u + IDLE_GIVES_WAY);
+                if now >= until || idle {
+                    break;
+                }
                 drop(s);
-                std::thread::sleep(until - now);
+                std::thread::sleep((until - now).min(IDLE_GIVES_WAY / 4));
                 s = e.lock();
                 if s.held != Some(held) {
                     return;

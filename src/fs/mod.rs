@@ -197,6 +197,8 @@ pub(crate) struct FsConfig {
     /// Names a directory may have for its name set to be read in one range.
     pub dir_names_max: usize,
     pub cores: usize,
+    /// How long a node keeps a cluster lock it was granted before giving way.
+    pub lock_min_hold: Duration,
 }
 
 /// Kernel cache timeouts and the daemon's cache sizing.
@@ -207,6 +209,7 @@ pub(crate) struct CacheOpts {
     pub negative_timeout: Duration,
     pub dir_names_max: usize,
     pub cores: usize,
+    pub lock_min_hold: Duration,
 }
 
 impl CacheOpts {
@@ -219,6 +222,7 @@ impl CacheOpts {
             negative_timeout: t,
             dir_names_max: cache::DIR_NAMES_MAX,
             cores: 1,
+            lock_min_hold: Duration::ZERO,
         }
     }
 }
@@ -539,6 +543,7 @@ impl EtcFs {
             negative_timeout: cfg.negative_timeout,
             dir_names_max: cfg.dir_names_max,
             cores: cfg.cores,
+            lock_min_hold: cfg.lock_min_hold,
         };
         Self::open_checked(
             pipeline,
@@ -597,7 +602,7 @@ impl EtcFs {
             claiming: Mutex::new(()),
             space_wanted: AtomicBool::new(false),
             files: Files::default(),
-            locks: locks::LockTable::new(cache_locks),
+            locks: locks::LockTable::new(cache_locks, opts.lock_min_hold),
             held: held::Held::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),

@@ -175,6 +175,9 @@ fn run(weak: &Weak<Inner>) {
                     i.caches.applied()
                 );
                 i.caches.n.watch_resyncs.fetch_add(1, Ordering::Relaxed);
+                // Events were missed: what is known of lock holders may lack one, and an
+                // acquire trusting it could be granted beside it.
+                i.locks.forget_known();
                 let max = i.caches.named_max();
                 owed = std::mem::take(&mut unconfirmed);
                 merge(&mut owed, i.caches.drop_all_named(), max);
@@ -334,9 +337,13 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             }
         }
         Some(KeyKind::CacheLock(ino, holder)) => {
-            if holder != i.locks.me() {
-                i.locks.holders_changed(ino.0);
-            } else if !put && i.locks.lost(ino.0, rev) {
+            let mode = put.then(|| {
+                decode_at::<CacheLock>(keys, &ev.kv.key, &ev.kv.value)
+                    .ok()
+                    .map(|c| c.mode)
+            });
+            i.locks.holders_changed(ino.0, rev, holder, mode);
+            if holder == i.locks.me() && !put && i.locks.lost(ino.0, rev) {
                 // Deleted with its file by another node: nothing cached stays.
                 i.caches.forget_attr(ino.0);
                 i.files.forget_extents(ino.0);
