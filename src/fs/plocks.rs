@@ -70,6 +70,8 @@ const ATTEMPTS_MAX: usize = 32;
 const OFFSET_MAX: u64 = i64::MAX as u64;
 /// Shards of the per-file serialisation of this node's own lock operations.
 const SHARDS: usize = 64;
+/// Files whose last read (or commit) of their locks this node remembers.
+const KNOWN_FILES_MAX: usize = 4096;
 
 // ---------------------------------------------------------------------------------------
 // Pure lock logic
@@ -251,6 +253,10 @@ pub(crate) struct Plocks {
     shards: Vec<Mutex<()>>,
     /// SETLKW threads running.
     threads: AtomicUsize,
+    /// Per file, its locks as of a revision (the last read, or a commit of ours on top
+    /// of it): a lock or unlock is tried against this first, in one round trip, and its
+    /// compare fails (answering the fresh set) only if the locks changed since.
+    known: Mutex<HashMap<u64, (Vec<Held>, i64)>>,
 }
 
 impl Default for Plocks {
@@ -260,6 +266,7 @@ impl Default for Plocks {
             changed: Condvar::new(),
             shards: (0..SHARDS).map(|_| Mutex::new(())).collect(),
             threads: AtomicUsize::new(0),
+            known: Mutex::default(),
         }
     }
 }
@@ -461,6 +468,11 @@ impl Inner {
             })
         })
         .map_err(|e| errno::meta(&e))?;
+        self.held_of(ino, &resp)
+    }
+
+    /// The locks in a range answer of `ino`'s lock keys, and its revision.
+    fn held_of(&self, ino: u64, resp: &meta::kv::RangeResponse) -> Result<(Vec<Held>, i64), Errno> {
         if resp.more {
             log::warn!("inode {ino} has more than {LOCKS_PER_FILE_MAX} locks");
             return Err(Errno::ENOLCK);
@@ -517,11 +529,23 @@ impl Inner {
         };
         let keys = self.meta.keys().clone();
         let _one = self.plocks.shard(ino);
+        // What this node last knew of the file's locks, if anything; a conflict found in
+        // it is checked against a fresh read before it is believed.
+        let mut known = super::lock(&self.plocks.known).remove(&ino);
         for _ in 0..ATTEMPTS_MAX {
-            let (held, rev) = self.read_locks(ino)?;
+            let (held, rev) = match known.take() {
+                Some(k) => k,
+                None => self.read_locks(ino)?,
+            };
             if let Some(write) = want.lock {
                 if conflict(&held, me, want.start, want.end, write).is_some() {
-                    return Ok(Round::Conflict);
+                    let (held2, rev2) = self.read_locks(ino)?;
+                    if conflict(&held2, me, want.start, want.end, write).is_some() {
+                        self.remember_locks(ino, held2, rev2);
+                        return Ok(Round::Conflict);
+                    }
+                    known = Some((held2, rev2));
+                    continue;
                 }
             }
             let own: Vec<Span> = held
@@ -567,6 +591,7 @@ impl Inner {
                 Some(_) => keys.locks(Ino(ino)),
                 None => keys.locks_of(Ino(ino), session, owner, want.flock),
             };
+            let all = keys.locks(Ino(ino));
             let t = Txn {
                 compares: vec![Compare {
                     key: guarded.start,
@@ -575,20 +600,48 @@ impl Inner {
                     target: CompareTarget::ModRevision(rev + 1),
                 }],
                 success: ops,
-                failure: vec![],
+                // Refused: the fresh set comes with the answer, for the next attempt.
+                failure: vec![TxnOp::Range(
+                    RangeRequest::range(all.start, all.end).limit(LOCKS_PER_FILE_MAX),
+                )],
             };
-            let ok = run_read(&self.meta, move |kv, _| {
-                Box::pin(async move { Ok(kv.txn(t).await?.succeeded) })
+            let resp = run_read(&self.meta, move |kv, _| {
+                Box::pin(async move { Ok(kv.txn(t).await?) })
             })
             .map_err(|e| errno::meta(&e))?;
-            if ok {
+            if resp.succeeded {
                 if new.is_empty() {
                     self.plocks.forget_holder(ino, owner, want.flock);
                 }
+                // For an unlock the others' locks were not compared: only our own part is
+                // known to be current, so the next operation reads.
+                if want.lock.is_some() {
+                    let mut after: Vec<Held> =
+                        held.into_iter().filter(|h| h.holder != me).collect();
+                    after.extend(new.iter().map(|&span| Held { holder: me, span }));
+                    self.remember_locks(ino, after, resp.revision);
+                }
                 return Ok(Round::Done);
             }
+            known = match resp.responses.first() {
+                Some(meta::kv::TxnOpResponse::Range(r)) => {
+                    let mut r = r.clone();
+                    r.revision = resp.revision;
+                    Some(self.held_of(ino, &r)?)
+                }
+                _ => None,
+            };
         }
         Ok(Round::Busy)
+    }
+
+    /// Remembers `ino`'s locks as of `rev` (bounded: forgets everything when full).
+    fn remember_locks(&self, ino: u64, held: Vec<Held>, rev: i64) {
+        let mut k = super::lock(&self.plocks.known);
+        if k.len() >= KNOWN_FILES_MAX {
+            k.clear();
+        }
+        k.insert(ino, (held, rev));
     }
 
     /// GETLK: the first lock that would keep `owner` from taking `lk`, or F_UNLCK.
