@@ -53,7 +53,7 @@
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     sync::{
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Mutex,
     },
     time::{Duration, Instant},
@@ -71,6 +71,16 @@ const FOLDED_KEEP: Duration = Duration::from_secs(60);
 const FOLDED_MAX: usize = 65536;
 /// Orphans looked at per open-record read.
 const ORPHANS_PER_READ: usize = 64;
+/// How long a node keeps the open record of a file it closed: an open again within it
+/// costs no commit (open+close of one file in a loop paid two commits a round). A file
+/// unlinked meanwhile is reclaimed when the record goes, that much later. Unit tests
+/// check reclaims at the last close itself; the mount tests run with the delay.
+#[cfg(not(test))]
+const IDLE_HOLD: Duration = Duration::from_secs(1);
+#[cfg(test)]
+const IDLE_HOLD: Duration = Duration::ZERO;
+/// Closed files whose records a node keeps at most (beyond it, the oldest go at once).
+const IDLE_HOLDS_MAX: usize = 4096;
 
 #[derive(Default)]
 struct Stripe {
@@ -78,6 +88,8 @@ struct Stripe {
     count: HashMap<u64, u32>,
     /// Inodes whose open record a create-and-open put: the first open takes it over.
     created: HashSet<u64>,
+    /// Closed here, record kept until then (see [`IDLE_HOLD`]).
+    idle: HashMap<u64, Instant>,
 }
 
 /// This node's open records: per inode, how many opens it has.
@@ -85,6 +97,8 @@ pub(crate) struct Held {
     stripes: Box<[Mutex<Stripe>]>,
     /// Last closes per stripe (a create's record may have been deleted since).
     unholds: Box<[AtomicU64]>,
+    /// Records kept after the last close, over all stripes (bounded by `IDLE_HOLDS_MAX`).
+    idle: AtomicUsize,
     /// Ranges folded from released records of groups this node owns, with when.
     folded: Mutex<VecDeque<(Extent, Instant)>>,
     /// Released records of this node's groups seen at the last look: offset → revision.
@@ -99,6 +113,7 @@ impl Default for Held {
         Held {
             stripes: (0..STRIPES).map(|_| Mutex::default()).collect(),
             unholds: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            idle: AtomicUsize::new(0),
             folded: Mutex::default(),
             seen: Mutex::default(),
         }
@@ -171,7 +186,11 @@ impl Inner {
     pub(super) fn hold_open(&self, ino: u64) -> Result<(), Errno> {
         let mut s = self.held.stripe(ino);
         let n = s.count.get(&ino).copied().unwrap_or(0);
-        if n == 0 && !s.created.remove(&ino) {
+        let kept = n == 0 && s.idle.remove(&ino).is_some();
+        if kept {
+            self.held.idle.fetch_sub(1, Ordering::AcqRel);
+        }
+        if n == 0 && !kept && !s.created.remove(&ino) {
             match self.meta.commit(Mutation::Hold { ino: Ino(ino) }) {
                 Ok(_) => {}
                 Err(e) => return Err(errno::meta(&e)),
@@ -181,10 +200,10 @@ impl Inner {
         Ok(())
     }
 
-    /// Counts one close of `ino`; the last on this node deletes its open record, and
-    /// reclaims the file when it is an orphan nobody else has open.
-    pub(super) fn unhold_open(&self, ino: u64) {
-        let i = Held::stripe_of(ino);
+    /// Counts one close of `ino`; after the last on this node the open record is kept
+    /// for [`IDLE_HOLD`] (then [`Inner::unhold_idle`] deletes it), or deleted at once for
+    /// a file known unlinked (`orphan`), which it reclaims when nobody else has it open.
+    pub(super) fn unhold_open(&self, ino: u64, orphan: bool) {
         let mut s = self.held.stripe(ino);
         let Some(n) = s.count.get_mut(&ino) else {
             return;
@@ -194,6 +213,47 @@ impl Inner {
             return;
         }
         s.count.remove(&ino);
+        if !orphan
+            && !IDLE_HOLD.is_zero()
+            && self.held.idle.load(Ordering::Acquire) < IDLE_HOLDS_MAX
+        {
+            s.idle.insert(ino, Instant::now());
+            self.held.idle.fetch_add(1, Ordering::AcqRel);
+            return;
+        }
+        self.unhold_locked(ino, s);
+    }
+
+    /// Deletes the open records of files closed here more than [`IDLE_HOLD`] ago (all
+    /// of them with `all`: unmount).
+    pub(super) fn unhold_idle(&self, all: bool) {
+        if self.held.idle.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        for i in 0..STRIPES {
+            let due: Vec<u64> = {
+                let s = lock(&self.held.stripes[i]);
+                s.idle
+                    .iter()
+                    .filter(|(_, t)| all || t.elapsed() >= IDLE_HOLD)
+                    .map(|(&ino, _)| ino)
+                    .collect()
+            };
+            for ino in due {
+                let mut s = lock(&self.held.stripes[i]);
+                // Opened again meanwhile: the open took the record over.
+                if s.idle.remove(&ino).is_some() {
+                    self.held.idle.fetch_sub(1, Ordering::AcqRel);
+                    self.unhold_locked(ino, s);
+                }
+            }
+        }
+    }
+
+    /// Deletes this node's open record of `ino` (no open of it left here), holding its
+    /// stripe so that an open of it waits for the delete.
+    fn unhold_locked(&self, ino: u64, s: MutexGuard<'_, Stripe>) {
+        let i = Held::stripe_of(ino);
         self.held.unholds[i].fetch_add(1, Ordering::AcqRel);
         let more = match self.meta.commit(Mutation::Unhold { ino: Ino(ino) }) {
             Ok(out) => {
@@ -218,7 +278,7 @@ impl Inner {
         if s.created.remove(&ino) && !s.count.contains_key(&ino) {
             s.count.insert(ino, 1);
             drop(s);
-            self.unhold_open(ino);
+            self.unhold_open(ino, true);
         }
     }
 

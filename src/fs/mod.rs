@@ -675,6 +675,7 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
             match inner.upgrade() {
                 Some(i) if !i.stopping.load(Ordering::Acquire) => {
                     i.commit_aged();
+                    i.unhold_idle(false);
                     if waited.as_millis() % 1000 < step.as_millis() {
                         i.fold_released();
                     }
@@ -1006,6 +1007,7 @@ impl Inner {
             return;
         }
         self.release_all_locks();
+        self.unhold_idle(true);
         for ino in self.files.all() {
             if let Err(e) = self.sync_pending(ino) {
                 log::error!("committing pending writes of inode {ino} at unmount: {e}");

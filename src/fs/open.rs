@@ -63,7 +63,7 @@ impl Inner {
             let st = match self.files.open(ino, attr.clone(), rev) {
                 Ok(st) => st,
                 Err(e) => {
-                    self.unhold_open(ino);
+                    self.unhold_open(ino, true);
                     return Err(e);
                 }
             };
@@ -86,13 +86,14 @@ impl Inner {
 
     /// Drops one open of a regular file; the last close anywhere of an orphan deletes it.
     pub(super) fn release_file(&self, ino: u64) {
-        self.release_state(ino);
-        self.unhold_open(ino);
+        let orphan = self.release_state(ino);
+        self.unhold_open(ino, orphan);
     }
 
     /// Drops one use of a file's open state (an open, or a truncate of a file not open,
     /// which holds no open record).
-    pub(super) fn release_state(&self, ino: u64) {
+    /// True when this was the last close here of a file known to be unlinked.
+    pub(super) fn release_state(&self, ino: u64) -> bool {
         // Pending writes commit while the file is still in the table (a failed attempt
         // stays pending for the next trigger); an orphan's are dropped at its last close.
         let dirty = self.files.is_dirty(ino);
@@ -128,7 +129,9 @@ impl Inner {
             } else {
                 self.persist_mtime(&st);
             }
+            return orphan;
         }
+        false
     }
 
     /// Writes a pending in-place-overwrite mtime, holding the file's lock across the commit

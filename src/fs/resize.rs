@@ -51,7 +51,7 @@ impl Inner {
             // and the EOF block stay right.
             let st = self.files.open(ino, attr, rev)?;
             let r = self.truncate(&st, a.size, set);
-            self.release_state(ino);
+            let _ = self.release_state(ino);
             let attr = r?;
             let blocks = self.file_blocks(&attr)?;
             return Ok(done_bytes(&self.attr_out(&attr, blocks)));
