@@ -16,7 +16,6 @@ use std::{
     io::{Read as _, Write as _},
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
-    process::Command,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -25,33 +24,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{assert_same_bytes, errno_of, etcd_or_skip, run_ok, TestFs};
+use common::{assert_same_bytes, errno_of, noise, small_groups, statfs_blocks};
 
 const MIB: usize = 1 << 20;
 const BLOCK: u64 = 4096;
-
-/// A formatted filesystem of `bytes` with `group_mib` MiB allocation groups.
-fn small_groups(test: &str, bytes: u64, group_mib: u64) -> Option<TestFs> {
-    let endpoints = etcd_or_skip(test, None)?;
-    let mut fs = TestFs::blank(test, &endpoints, bytes);
-    fs.mkfs_with(&["--group-size", &group_mib.to_string()]);
-    Some(fs)
-}
-
-/// Deterministic bytes that differ per seed and per position (a cp of the wrong file's
-/// blocks shows up as a mismatch at once).
-fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 /// Copies as cp does: 128 KiB reads and writes.
 fn copy_like_cp(src: &Path, dst: &Path) {
@@ -104,14 +80,6 @@ fn bad_copies(m: &common::Daemon, rounds: u32, sources: &[(PathBuf, Vec<u8>)]) -
         }
     }
     bad
-}
-
-/// (total, free) 4 KiB blocks by statfs.
-fn statfs_blocks(mnt: &Path) -> (u64, u64) {
-    let out = run_ok(Command::new("stat").args(["-f", "-c", "%b %f %S"]).arg(mnt));
-    let v: Vec<u64> = out.split_whitespace().map(|w| w.parse().unwrap()).collect();
-    assert_eq!(v[2], BLOCK, "statfs block size");
-    (v[0], v[1])
 }
 
 /// 4 KiB blocks held by every regular file under `dir` (st_blocks counts 512-byte units).

@@ -16,11 +16,10 @@ use std::{
     io::Write as _,
     os::unix::fs::{FileExt as _, OpenOptionsExt as _},
     path::Path,
-    process::Command,
     time::{Duration, Instant},
 };
 
-use common::{assert_same_bytes, errno_of, etcd_or_skip, eventually, loud, run_ok, TestFs};
+use common::{assert_same_bytes, errno_of, eventually, loud, noise, small_groups, statfs_blocks};
 
 const MIB: usize = 1 << 20;
 const BLOCK: u64 = 4096;
@@ -31,35 +30,6 @@ const HELD_BYTES: usize = 24 * MIB;
 const SPACE_BACK_MAX: Duration = Duration::from_secs(15);
 /// After a kill -9 of the holder: its lease (10 s), the orphan scan (5 s), the fold.
 const SPACE_BACK_AFTER_CRASH_MAX: Duration = Duration::from_secs(45);
-
-fn small_groups(test: &str, bytes: u64, group_mib: u64) -> Option<TestFs> {
-    let endpoints = etcd_or_skip(test, None)?;
-    let mut fs = TestFs::blank(test, &endpoints, bytes);
-    fs.mkfs_with(&["--group-size", &group_mib.to_string()]);
-    Some(fs)
-}
-
-/// Bytes that differ per seed and position.
-fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
-/// (total, free) 4 KiB blocks by statfs.
-fn statfs_blocks(mnt: &Path) -> (u64, u64) {
-    let out = run_ok(Command::new("stat").args(["-f", "-c", "%b %f %S"]).arg(mnt));
-    let v: Vec<u64> = out.split_whitespace().map(|w| w.parse().unwrap()).collect();
-    assert_eq!(v[2], BLOCK, "statfs block size");
-    (v[0], v[1])
-}
 
 fn write_synced(p: &Path, data: &[u8]) {
     let mut f = File::create(p).unwrap_or_else(|e| panic!("create {}: {e}", p.display()));

@@ -1266,3 +1266,39 @@ pub(crate) fn helper_as_nobody(bin: &Path, args: &[&str]) -> Result<String, i32>
     assert!(in_time, "syscall helper (nobody) {args:?} hung");
     parse_helper(&out, args)
 }
+
+// ---------------------------------------------------------------------------------------
+// Space and data helpers shared by the integrity and shared-open tests
+// ---------------------------------------------------------------------------------------
+
+/// A formatted filesystem of `bytes` with allocation groups of `group_mib` MiB, after the
+/// prerequisite checks (`None`: skipped).
+pub(crate) fn small_groups(test: &str, bytes: u64, group_mib: u64) -> Option<TestFs> {
+    let endpoints = etcd_or_skip(test, None)?;
+    let mut fs = TestFs::blank(test, &endpoints, bytes);
+    fs.mkfs_with(&["--group-size", &group_mib.to_string()]);
+    Some(fs)
+}
+
+/// Deterministic bytes that differ per seed and per position (a read of the wrong file's
+/// blocks shows up as a mismatch at once).
+pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// (total, free) 4 KiB blocks by statfs.
+pub(crate) fn statfs_blocks(mnt: &Path) -> (u64, u64) {
+    let out = run_ok(Command::new("stat").args(["-f", "-c", "%b %f %S"]).arg(mnt));
+    let v: Vec<u64> = out.split_whitespace().map(|w| w.parse().unwrap()).collect();
+    assert_eq!(v[2], 4096, "statfs block size");
+    (v[0], v[1])
+}
