@@ -29,6 +29,14 @@ const fn cap(flag: u64, name: &'static str, reason: &'static str) -> Capability 
 /// Requested whenever the kernel offers them.
 pub const WANTED: &[Capability] = &[
     cap(
+        abi::FUSE_EXPLICIT_INVAL_DATA,
+        "EXPLICIT_INVAL_DATA",
+        "the kernel keeps a file's pages when a GETATTR shows a new size: this node's own \
+         writes keep them right, and another node changes a file only after this one gave \
+         up its cluster lock, dropping them first (etcfs's cache locks; without it a file \
+         read right after it was written lost its page cache at the next GETATTR)",
+    ),
+    cap(
         abi::FUSE_ASYNC_READ,
         "ASYNC_READ",
         "several READs of one file in flight, so readahead and parallel readers overlap",
@@ -202,13 +210,6 @@ pub const REFUSED: &[Capability] = &[
          served, and the zeros past the old EOF become data when the WRITE grows the size \
          (issue 12: NUL records read by tail -f, on memfs too). Other nodes' writes reach \
          the page cache through the watch's INVAL_INODE, and a changed size still drops it",
-    ),
-    cap(
-        abi::FUSE_EXPLICIT_INVAL_DATA,
-        "EXPLICIT_INVAL_DATA",
-        "keeps the kernel's own drop of the page cache when a GETATTR shows a new size, a \
-         second line behind the watch's INVAL_INODE; can go once every remote change is \
-         followed by an INVAL_INODE from the lock holder",
     ),
     cap(
         abi::FUSE_MAP_ALIGNMENT,
