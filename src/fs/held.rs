@@ -250,6 +250,16 @@ impl Inner {
         }
     }
 
+    /// Deletes at once the record of `ino` if this node keeps it only for an open that
+    /// might follow (about to be unlinked or renamed over here).
+    pub(super) fn drop_idle_hold(&self, ino: u64) {
+        let mut s = self.held.stripe(ino);
+        if s.idle.remove(&ino).is_some() {
+            self.held.idle.fetch_sub(1, Ordering::AcqRel);
+            self.unhold_locked(ino, s);
+        }
+    }
+
     /// Deletes this node's open record of `ino` (no open of it left here), holding its
     /// stripe so that an open of it waits for the delete.
     fn unhold_locked(&self, ino: u64, s: MutexGuard<'_, Stripe>) {

@@ -101,6 +101,11 @@ impl Inner {
             })),
             Lookup::Absent | Lookup::Unknown { .. } => None,
         };
+        if let Some(e) = &expect {
+            // A record kept only for an open that might follow would make the file an
+            // orphan whose space comes back a second later: rm then write got ENOSPC.
+            self.drop_idle_hold(e.entry.ino.0);
+        }
         let keep_open = !dir
             && expect
                 .as_ref()
@@ -136,6 +141,9 @@ impl Inner {
         };
         if [name, newname].iter().any(|n| *n == b"." || *n == b"..") {
             return Err(Errno::EBUSY);
+        }
+        if let Lookup::Found(victim) = self.caches.lookup(newdir, newname) {
+            self.drop_idle_hold(victim.ino.0);
         }
         self.commit(Mutation::Rename {
             src_parent: Ino(olddir),
