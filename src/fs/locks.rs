@@ -113,6 +113,9 @@ struct State {
     /// Just granted: what was cached before is being dropped and re-read; nobody uses
     /// the lock until that is done.
     refreshing: bool,
+    /// Granted, but that refresh has not succeeded yet (etcd failed it): the next
+    /// operation tries it again before using the lock.
+    needs_refresh: bool,
     /// The strongest mode another node waits for.
     wanted: Option<LockMode>,
     /// Bumped when the watch sees the file's holders change.
@@ -429,6 +432,9 @@ impl Inner {
                 continue;
             }
             if s.held.is_some_and(|h| h >= mode) {
+                if s.needs_refresh {
+                    s = self.refresh_under(&e, s, ino, None)?;
+                }
                 return Ok(hold(&mut s));
             }
             if s.acquiring {
@@ -470,13 +476,8 @@ impl Inner {
                         // Before anyone uses the lock (found by tests/cluster.rs: a
                         // GETATTR let in beside the READ that took the lock answered the
                         // size cached before it).
-                        s.refreshing = true;
-                        drop(s);
-                        let r = self.refresh_file(ino, extra.map(|kv| (kv, revision)));
-                        s = e.lock();
-                        s.refreshing = false;
-                        e.cv.notify_all();
-                        r?;
+                        s.needs_refresh = true;
+                        s = self.refresh_under(&e, s, ino, extra.map(|kv| (kv, revision)))?;
                     }
                     return Ok(hold(&mut s));
                 }
@@ -491,6 +492,27 @@ impl Inner {
                 Err(err) => return Err(errno::meta(&err)),
             }
         }
+    }
+
+    /// [`Inner::refresh_file`] with the entry marked refreshing (nobody uses the lock
+    /// meanwhile); `needs_refresh` stays set if it fails, for the next operation.
+    fn refresh_under<'a>(
+        &self,
+        e: &'a Entry,
+        mut s: MutexGuard<'a, State>,
+        ino: u64,
+        granted: Option<(meta::kv::KeyValue, i64)>,
+    ) -> Result<MutexGuard<'a, State>, Errno> {
+        s.refreshing = true;
+        drop(s);
+        let r = self.refresh_file(ino, granted);
+        let mut s = e.lock();
+        s.refreshing = false;
+        if r.is_ok() {
+            s.needs_refresh = false;
+        }
+        e.cv.notify_all();
+        r.map(|()| s)
     }
 
     /// Waits on `e` (at most `d`), with `range` listed as blocked meanwhile.
@@ -709,6 +731,9 @@ impl Inner {
                 s.inval.clone_from(&ranges);
                 s.let_through.clear();
             }
+            // A waiting READ or WRITE inside these ranges must be let through now: the
+            // invalidation may need its pages.
+            e.cv.notify_all();
             self.kernel_inval(ino, &ranges);
             let mut s = e.lock();
             s.inval.clear();
@@ -727,7 +752,10 @@ impl Inner {
                 }
             }
         }
-        blocked.into_iter().map(pages).collect()
+        // Pages of operations waiting now were left out too (those that came after the
+        // first invalidation and were not inside a later one).
+        let now: Vec<Range> = e.lock().blocked.clone();
+        blocked.into_iter().chain(now).map(pages).collect()
     }
 
     /// INVAL_INODE of `ranges` (an end of `u64::MAX`: to the end of the file).
