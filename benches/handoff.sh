@@ -56,12 +56,8 @@ pids+=("$ETCD_PID")
 truncate -s 1G "$IMG"
 "$ETCFS" mkfs --etcd "$EP" --device "$IMG" --prefix handoff >/dev/null
 for n in a b c; do
-	mkdir -p "$WORK/$n"
 	# shellcheck disable=SC2086 # ETCFS_OPTS is a list of options
-	"$ETCFS" mount --foreground --etcd "$EP" --device "$IMG" --prefix handoff $ETCFS_OPTS "$WORK/$n" \
-		>"$WORK/$n.log" 2>&1 &
-	pids+=($!)
-	for _ in $(seq 100); do mountpoint -q "$WORK/$n" && break; sleep 0.1; done
+	mount_etcfs "$ETCFS" "$EP" "$IMG" handoff "$WORK/$n" "$WORK/$n.log" $ETCFS_OPTS
 done
 
 commit_p50=$(cd "$ROOT" && cargo bench -q --bench etcd_txn -- --etcd "$EP" --prefix handoff-txn \

@@ -17,3 +17,18 @@ start_etcd() {
 	done
 	echo "etcd on port $port did not answer within 10 s; see $dir/etcd.log" >&2
 }
+
+# mount_etcfs ETCFS EP IMG PREFIX MNT LOG [OPTION...]: one node, `etcfs mount --foreground`
+# in the background (its pid appended to the caller's `pids` array, for its cleanup),
+# returning once MNT is mounted, or failing after 20 s with the log's path.
+mount_etcfs() {
+	local etcfs=$1 ep=$2 img=$3 prefix=$4 mnt=$5 log=$6
+	shift 6
+	mkdir -p "$mnt"
+	"$etcfs" mount --foreground --etcd "$ep" --device "$img" --prefix "$prefix" "$@" "$mnt" \
+		>"$log" 2>&1 &
+	pids+=($!)
+	for _ in $(seq 200); do mountpoint -q "$mnt" && return 0; sleep 0.1; done
+	echo "etcfs did not mount $mnt within 20 s; see $log" >&2
+	return 1
+}

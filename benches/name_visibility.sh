@@ -47,11 +47,7 @@ pids+=("$ETCD_PID")
 truncate -s 1G "$IMG"
 "$ETCFS" mkfs --etcd "$EP" --device "$IMG" --prefix names >/dev/null
 for n in a b; do
-	mkdir -p "$WORK/$n"
-	"$ETCFS" mount --foreground --etcd "$EP" --device "$IMG" --prefix names "$WORK/$n" \
-		>"$WORK/$n.log" 2>&1 &
-	pids+=($!)
-	for _ in $(seq 100); do mountpoint -q "$WORK/$n" && break; sleep 0.1; done
+	mount_etcfs "$ETCFS" "$EP" "$IMG" names "$WORK/$n" "$WORK/$n.log"
 done
 
 python3 - "$WORK/a" "$WORK/b" "$NAMES" <<'EOF'

@@ -74,12 +74,9 @@ wait_mounted() { # MNT
 truncate -s 1G "$IMG"
 "$ETCFS" mkfs --etcd "$EP" --device "$IMG" --prefix pingpong >/dev/null
 for n in a b; do
-	mkdir -p "$WORK/etcfs-$n"
-	"$ETCFS" mount --foreground --etcd "$EP" --device "$IMG" --prefix pingpong "$WORK/etcfs-$n" \
-		>"$WORK/etcfs-$n.log" 2>&1 &
-	pids+=($!)
 	MNTS+=("$WORK/etcfs-$n")
-	wait_mounted "$WORK/etcfs-$n"
+	mount_etcfs "$ETCFS" "$EP" "$IMG" pingpong "$WORK/etcfs-$n" "$WORK/etcfs-$n.log" ||
+		die "etcfs did not mount"
 done
 
 SYSTEMS=(etcfs)

@@ -72,8 +72,16 @@ impl EtcFs {
                     if target.is_empty() || target.len() > meta::types::SYMLINK_LEN_MAX {
                         return Err(Errno::ENAMETOOLONG);
                     }
-                    let made =
-                        i.make_node(&h, ino, &name, FileType::Symlink, 0o777, 0, Some(target));
+                    let made = i.make_node(
+                        &h,
+                        ino,
+                        &name,
+                        FileType::Symlink,
+                        0o777,
+                        0,
+                        Some(target),
+                        false,
+                    );
                     let a = i.names_refused(made, &[Errno::EEXIST])?.0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
@@ -87,8 +95,16 @@ impl EtcFs {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
                     let kind = file_type_of(mode)?;
-                    let made =
-                        i.make_node(&h, ino, &name, kind, mode & !umask, u64::from(rdev), None);
+                    let made = i.make_node(
+                        &h,
+                        ino,
+                        &name,
+                        kind,
+                        mode & !umask,
+                        u64::from(rdev),
+                        None,
+                        false,
+                    );
                     let a = i.names_refused(made, &[Errno::EEXIST])?.0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })
@@ -96,8 +112,16 @@ impl EtcFs {
             Operation::Mkdir { name, mode, umask } => {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
-                    let made =
-                        i.make_node(&h, ino, &name, FileType::Directory, mode & !umask, 0, None);
+                    let made = i.make_node(
+                        &h,
+                        ino,
+                        &name,
+                        FileType::Directory,
+                        mode & !umask,
+                        0,
+                        None,
+                        false,
+                    );
                     let a = i.names_refused(made, &[Errno::EEXIST])?.0;
                     Ok(done_bytes(&i.entry_out(&a, None)))
                 })

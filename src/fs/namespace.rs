@@ -5,30 +5,13 @@
 use super::*;
 
 impl Inner {
+    /// Creates a node of any kind; `hold`: a create-and-open, whose open record goes in
+    /// the create's transaction (`held.rs`).
     #[allow(
         clippy::too_many_arguments,
         reason = "one call per node kind; a struct would only rename the arguments"
     )]
     pub(super) fn make_node(
-        &self,
-        h: &abi::InHeader,
-        parent: u64,
-        name: &[u8],
-        kind: FileType,
-        mode: u32,
-        rdev: u64,
-        symlink: Option<Vec<u8>>,
-    ) -> Result<(InodeAttr, i64), Errno> {
-        self.make_node_held(h, parent, name, kind, mode, rdev, symlink, false)
-    }
-
-    /// [`Inner::make_node`]; `hold`: a create-and-open, whose open record goes in the
-    /// create's transaction (`held.rs`).
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "one call per node kind; a struct would only rename the arguments"
-    )]
-    fn make_node_held(
         &self,
         h: &abi::InHeader,
         parent: u64,
@@ -191,7 +174,7 @@ impl Inner {
     ) -> Result<Done, Errno> {
         let mut held = None;
         let mark = self.held.mark();
-        let made = self.make_node_held(h, h.nodeid, name, FileType::Regular, mode, 0, None, true);
+        let made = self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None, true);
         let created = made.as_ref().ok().map(|(a, _)| a.ino.0);
         if let Some(ino) = created {
             self.held.adopt(ino, &mark);
