@@ -231,10 +231,20 @@ impl CacheLocks {
                 if let Some(k) = &extra {
                     success.push(TxnOp::Range(RangeRequest::key(k.clone())));
                 }
+                // Refused: the holders come with the answer, and our wait is recorded in
+                // the same round trip (needless when they turn out not to conflict, and
+                // then harmless: holders give way only to a conflicting wait).
                 let t = Txn {
                     compares: vec![compare],
                     success,
-                    failure: vec![read_range()],
+                    failure: vec![
+                        read_range(),
+                        TxnOp::Put(PutOp {
+                            key: wait_key.clone(),
+                            value: value.clone(),
+                            lease: self.lease,
+                        }),
+                    ],
                 };
                 let resp = self.kv.txn(t).await?;
                 if resp.succeeded {
@@ -247,7 +257,15 @@ impl CacheLocks {
                         extra,
                     });
                 }
-                known = range_of(&resp, 0);
+                let now = range_of(&resp, 0).unwrap_or_default();
+                let holders = conflicting(&now.holders, self.me, want);
+                if !holders.is_empty() {
+                    return Ok(Acquired::Busy {
+                        holders,
+                        known: now,
+                    });
+                }
+                known = Some(now);
                 continue;
             }
             // Someone is in the way: say that we wait, and see who holds it now.
