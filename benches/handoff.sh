@@ -47,7 +47,7 @@ cleanup() {
 		if mountpoint -q "$m" 2>/dev/null; then umount "$m" || umount -l "$m" || true; fi
 	done
 	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-	rm -rf "$WORK" "$IMG"
+	if [ -n "${HANDOFF_KEEP:-}" ]; then echo "kept $WORK" >&2; rm -f "$IMG"; else rm -rf "$WORK" "$IMG"; fi
 }
 trap cleanup EXIT
 
@@ -120,6 +120,18 @@ ok = len(data) % 64 == 0 and len(seen) == len(recs) and all(r.endswith(b"\n") fo
 print()
 print(f"three nodes appending: {len(recs)} records in {secs:.0f} s = {len(recs)/secs:.0f} records/s, "
       f"{'none lost or overwritten' if ok else 'RECORDS LOST OR OVERWRITTEN'}")
+if not ok:
+    bad = [i for i, r in enumerate(recs) if not r.endswith(b"\n") or not r.startswith(b"node ")]
+    per = {}
+    for r in recs:
+        w = r.split()
+        if len(w) > 3:
+            per.setdefault(w[1], set()).add(int(w[3]))
+    gaps = {n: sorted(set(range(max(s) + 1)) - s)[:10] for n, s in per.items()}
+    print(f"  {len(data)} bytes, {len(recs)} records, {len(seen)} distinct, malformed at {bad[:10]}, "
+          f"missing per node {gaps}")
+    for i in bad[:3]:
+        print("  ", recs[i - 1:i + 2])
 PY
 echo
 echo "($(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) CPUs, $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'), one etcd member on loopback)"

@@ -69,6 +69,9 @@ pub(crate) const LOCKS_MAX: usize = 1 << 16;
 /// A holder unused this long gives way at once, whatever `--lock-min-hold-ms` says: the
 /// minimum hold is for a node in the middle of using the file.
 const IDLE_GIVES_WAY: Duration = Duration::from_millis(1);
+/// How long a write waits while this node gives up a shared lock whose page invalidation
+/// may be waiting for that write's pages.
+const INVAL_WAIT_MAX: Duration = Duration::from_secs(2);
 /// How long an operation waits for another node to give a lock up before EIO. Longer
 /// than a lease, so a dead holder's lock has expired by then.
 pub(crate) const ACQUIRE_WAIT_MAX: Duration = Duration::from_secs(30);
@@ -407,6 +410,7 @@ impl Inner {
         let t = self.locks();
         let e = t.entry(ino);
         let deadline = Instant::now() + ACQUIRE_WAIT_MAX;
+        let mut stuck: Option<Instant> = None;
         let mut s = e.lock();
         let hold = |s: &mut State| {
             s.users += 1;
@@ -420,8 +424,26 @@ impl Inner {
             if s.releasing {
                 if let Some(r) = range {
                     if covers(&s.inval, r) {
-                        s.let_through.push(r);
-                        return Ok(hold(&mut s));
+                        if s.held.is_some_and(|h| h >= mode) {
+                            s.let_through.push(r);
+                            return Ok(hold(&mut s));
+                        }
+                        // A WRITE while this node gives up a shared lock: it may not run
+                        // (no write without the exclusive lock: found by
+                        // benches/handoff.sh, whose appenders lost records when one ran
+                        // under a shared lock being given up), and the invalidation may
+                        // be waiting for its pages. Bounded: EIO rather than a hang.
+                        let since = *stuck.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= INVAL_WAIT_MAX {
+                            log::warn!(
+                                "inode {ino}: a write waited {} ms for this node to give its \
+                                 shared lock up; answering EIO",
+                                INVAL_WAIT_MAX.as_millis()
+                            );
+                            return Err(Errno::EIO);
+                        }
+                        s = self.wait_blocked(&e, s, range, INVAL_WAIT_MAX / 10);
+                        continue;
                     }
                 }
                 s = self.wait_blocked(&e, s, range, RECHECK);
@@ -696,6 +718,7 @@ impl Inner {
             return;
         }
         let left_out = self.invalidate_for_release(&e, ino, held);
+
         self.caches.forget_attr(ino);
         self.caches.forget_blocks(ino);
         self.files.forget_extents(ino);
@@ -795,7 +818,14 @@ impl Inner {
     /// An exclusive holder's writes reach etcd and the device: pending extents and size,
     /// the mtime of overwrites, and no device I/O of the file still in flight.
     fn write_back(&self, ino: u64) -> Result<(), Errno> {
-        self.sync_pending(ino)?;
+        // Under the file's lock, whatever the dirty set says: the set is a hint for the
+        // age trigger, and a lock must never go with a pending change.
+        if let Some(st) = self.files.get(ino) {
+            let mut f = st.lock();
+            let outs = self.commit_pending_locked(&st, &mut f)?;
+            drop(f);
+            outs.iter().for_each(|o| self.after_commit_unlocked(o));
+        }
         self.flush_mtime(ino);
         self.wait_file_io(ino);
         Ok(())

@@ -74,7 +74,10 @@ impl Inner {
                 }
             }
             // The page cache is the cluster lock's: a node that gives the lock up drops
-            // it first, so what is cached when a file is opened is current.
+            // it first, so what is cached when a file is opened is current. (Opening
+            // O_APPEND files FOPEN_DIRECT_IO, so that their writes hold no page locked
+            // while they wait for the lock, was tried: a buffered reader on the same node
+            // then read NULs at EOF, tests/posix.rs.)
             open_flags |= abi::FOPEN_KEEP_CACHE;
         }
         Ok(done_bytes(&OpenOut {
