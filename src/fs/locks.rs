@@ -39,10 +39,13 @@
 //! and a killed daemon with a thread stuck there never exits. Two rules prevent it:
 //! the release invalidates around the ranges of the READs and WRITEs already waiting
 //! (their pages are being filled, not cached), and lets through any that arrives inside
-//! the range being invalidated (the lock is still ours; the invalidation waits for its
-//! pages, then drops them), invalidating their ranges again after. Pages left out
-//! because an operation was waiting on them are invalidated once it has run
-//! ([`Job::InvalStale`]).
+//! the range being invalidated when the mode still held covers it (the lock is still
+//! ours; the invalidation waits for its pages, then drops them), invalidating their
+//! ranges again after. Pages left out because an operation was waiting on them are
+//! invalidated once it has run ([`Job::InvalStale`]). A WRITE that arrives while this
+//! node gives up a *shared* lock cannot run (never a write without the exclusive lock)
+//! and may hold pages the invalidation waits for: it waits at most `INVAL_WAIT_MAX` (2 s)
+//! and then fails with EIO, the one case where a lock conflict is an error.
 
 use std::{
     collections::HashMap,
