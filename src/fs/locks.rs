@@ -135,10 +135,13 @@ struct State {
     last_used: Option<Instant>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Entry {
     st: Mutex<State>,
     cv: Condvar,
+    /// The lock thread's queue, cloned once per entry (not per operation: a core's fast
+    /// path takes a hold on every READ and WRITE).
+    jobs: Sender<Job>,
 }
 
 impl Entry {
@@ -163,7 +166,6 @@ impl Entry {
 pub(crate) struct Hold {
     entry: Arc<Entry>,
     ino: u64,
-    jobs: Sender<Job>,
 }
 
 impl Drop for Hold {
@@ -175,7 +177,7 @@ impl Drop for Hold {
         drop(s);
         self.entry.cv.notify_all();
         if stale {
-            let _ = self.jobs.try_send(Job::InvalStale(self.ino));
+            let _ = self.entry.jobs.try_send(Job::InvalStale(self.ino));
         }
     }
 }
@@ -244,7 +246,16 @@ impl LockTable {
     }
 
     fn entry(&self, ino: u64) -> Arc<Entry> {
-        self.table().entry(ino).or_default().clone()
+        self.table()
+            .entry(ino)
+            .or_insert_with(|| {
+                Arc::new(Entry {
+                    st: Mutex::default(),
+                    cv: Condvar::new(),
+                    jobs: self.jobs.clone(),
+                })
+            })
+            .clone()
     }
 
     fn get(&self, ino: u64) -> Option<Arc<Entry>> {
@@ -276,11 +287,7 @@ impl LockTable {
         }
         s.users += 1;
         drop(s);
-        Some(Hold {
-            entry: e,
-            ino,
-            jobs: self.jobs.clone(),
-        })
+        Some(Hold { entry: e, ino })
     }
 
     /// Records a lock taken by a create's own transaction at `rev`.
@@ -396,10 +403,6 @@ impl LockTable {
 }
 
 impl Inner {
-    fn locks(&self) -> &LockTable {
-        &self.locks
-    }
-
     /// Holds `ino`'s lock in at least `mode` for one operation, taking it from etcd (and
     /// waiting for other nodes to give way) when this node does not hold it. `range`: the
     /// bytes a buffered READ or WRITE covers (its pages are locked in the kernel while it
@@ -410,7 +413,7 @@ impl Inner {
         mode: LockMode,
         range: Option<Range>,
     ) -> Result<Hold, Errno> {
-        let t = self.locks();
+        let t = &self.locks;
         let e = t.entry(ino);
         let deadline = Instant::now() + ACQUIRE_WAIT_MAX;
         let mut stuck: Option<Instant> = None;
@@ -420,7 +423,6 @@ impl Inner {
             Hold {
                 entry: e.clone(),
                 ino,
-                jobs: t.jobs.clone(),
             }
         };
         loop {
@@ -568,7 +570,7 @@ impl Inner {
             > + Send
             + 'static,
     ) -> Result<T, MetaError> {
-        let l = self.locks().etcd.clone();
+        let l = self.locks.etcd.clone();
         super::run_read(&self.meta, move |_, _| f(l))
     }
 
@@ -593,11 +595,7 @@ impl Inner {
                     .map_err(|e| errno::meta(&e))?;
                     (a, rev)
                 }
-                None => match self.meta.get_inode_at(Ino(ino)).and_then(|t| t.wait()) {
-                    Ok((Some(a), rev)) => (a, rev.0),
-                    Ok((None, _)) => return Err(Errno::ENOENT),
-                    Err(e) => return Err(errno::meta(&e)),
-                },
+                None => self.get_attr_at(ino)?,
             };
             let mut f = st.lock();
             f.set_attr(&attr, rev);
