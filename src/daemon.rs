@@ -100,6 +100,7 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
         dir_names_max: args.dir_names_max as usize,
         cores: cpus.len(),
         lock_min_hold: std::time::Duration::from_millis(args.lock_min_hold_ms),
+        lease_ttl_s: args.lease_ttl,
     })?);
     let result = serve(&args, &cpus, handler);
     drop(private_etcd);

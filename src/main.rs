@@ -125,6 +125,12 @@ pub(crate) struct MountArgs {
     /// one file. A node that stopped using the file gives way at once.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     pub(crate) lock_min_hold_ms: u64,
+    /// Seconds this node's session lease lives in etcd without a renewal: how soon after
+    /// the node dies (or is cut off) its locks, groups and open files pass to the others.
+    /// The node stops its own device I/O a fifth of it (at least 1 s) before the lease
+    /// can expire, and registers a new session once etcd answers (ARCHITECTURE.md).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(i64).range(2..=3600))]
+    pub(crate) lease_ttl: i64,
     /// Names a directory may have for its whole name set to be read in one etcd range on
     /// the first lookup (later lookups in it, found or not, need no etcd); a larger
     /// directory is looked up name by name.

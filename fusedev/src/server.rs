@@ -303,6 +303,15 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
+    /// Whether the transport may start the device I/O of a plan now. Asked right before
+    /// a READ or WRITE plan's (or an `Fd` reply's) I/O is queued, after the handler
+    /// returned it: a filesystem on a shared device closes this when its node may have
+    /// lost the right to touch the device (its lease ran out while it was frozen), and
+    /// the request fails with EIO instead. Called on every data request: keep it cheap.
+    fn device_io_allowed(&self) -> bool {
+        true
+    }
+
     /// Called once after INIT negotiation, before any other request.
     fn init(&self, _negotiated: &crate::init::Negotiated) {}
 

@@ -83,6 +83,10 @@ pub enum MetaError {
     /// etcd is unreachable or timed out; nothing is known about whether it applied.
     #[error("metadata store unavailable: {0}")]
     Unavailable(String),
+    /// The session the work was begun under has lost its lease (or the node gave it up
+    /// at its fence): nothing of it may commit. The node serves again under a new one.
+    #[error("this node's session has ended")]
+    SessionLost,
     /// The pipeline has shut down.
     #[error("pipeline closed")]
     Closed,

@@ -73,6 +73,7 @@ pub mod codec;
 pub mod conformance;
 pub mod error;
 pub mod etcd;
+pub mod fence;
 pub mod format;
 pub mod keys;
 pub mod kv;

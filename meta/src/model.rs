@@ -183,6 +183,14 @@ impl MemEtcd {
         s.commit(rev, events);
     }
 
+    /// When lease `id` expires (on the model's clock), if it is alive now.
+    pub fn lease_deadline(&self, id: i64) -> Option<Duration> {
+        let now = self.clock.mono();
+        let mut s = self.lock();
+        s.expire(now);
+        s.leases.get(&id).map(|l| l.expires)
+    }
+
     /// Test helper: every live key under `prefix`, with its value.
     pub fn dump(&self, start: &[u8], end: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
         let s = self.lock();

@@ -8,22 +8,18 @@
 //! reclaimable by anyone.
 //!
 //! A lease alone does not stop a stalled node from writing to the shared device after
-//! it expired: use [`Session::group_fence`] as a compare on commits that depend on
-//! owning a group, and stop device I/O when [`Session::is_alive`] turns false.
+//! it expired: the keepalive keeps a [`Fence`] a margin before the lease's earliest
+//! expiry (see `crate::fence` for the arithmetic), device I/O starts only while it is
+//! open, and commits compare the membership key ([`Session::member_fence`]) and, where
+//! they hand out blocks, the group's ownership ([`Session::group_fence`]).
 
-use std::{
-    collections::HashSet,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::Duration,
-};
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use crate::{
     clock::Clock,
     codec::{decode_at, NodeRecord, Owner, Record},
     error::{KvError, MetaError},
+    fence::{fence_after, renew_every, Fence, RETRY_EVERY},
     keys::{KeyKind, Keyspace},
     kv::{Compare, CompareOp, CompareTarget, KvBackend, PutOp, RangeRequest, Txn, TxnOp},
     reader::{orphans, OrphanRec},
@@ -34,24 +30,30 @@ use crate::{
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
     /// Lease TTL in seconds: how long after a crash the node's groups and orphans stay
-    /// locked.
+    /// locked. Renewals go out every quarter of it (`crate::fence::renew_every`).
     pub ttl_s: i64,
-    /// Keepalive period (a third of the TTL leaves two retries before expiry).
-    pub keepalive_interval: Duration,
+    /// How often the keepalive task looks at the clock (real time): renewals are due by
+    /// the session's clock, which tests drive by hand.
+    pub keepalive_tick: Duration,
     /// Operator-facing node name.
     pub node_name: Vec<u8>,
     /// Daemon pid.
     pub pid: u32,
+    /// The fence the session keeps open while its lease is renewed (shared with the
+    /// filesystem, which checks it before device I/O); a private one on the session's
+    /// clock when `None`.
+    pub fence: Option<Arc<Fence>>,
 }
 
 impl SessionConfig {
-    /// Defaults: 10 s TTL, keepalive every 3 s.
+    /// Defaults: 10 s TTL, the clock looked at every 100 ms.
     pub fn new(node_name: &str) -> Self {
         SessionConfig {
             ttl_s: 10,
-            keepalive_interval: Duration::from_secs(3),
+            keepalive_tick: Duration::from_millis(100),
             node_name: node_name.as_bytes().to_vec(),
             pid: std::process::id(),
+            fence: None,
         }
     }
 }
@@ -63,18 +65,19 @@ pub struct Session {
     keys: Keyspace,
     id: SessionId,
     lease: LeaseId,
-    alive: Arc<AtomicBool>,
-    keepalive: Option<tokio::task::JoinHandle<()>>,
+    ttl: Duration,
+    fence: Arc<Fence>,
+    keepalive: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Session {
-    /// Grants a lease, registers the node, and starts the keepalive task on the current
-    /// tokio runtime (the pipeline's, in the daemon).
+    /// Grants a lease, registers the node, opens the fence and starts the keepalive task
+    /// on the current tokio runtime (the pipeline's, in the daemon).
     pub async fn register(
         kv: Arc<dyn KvBackend>,
         keys: Keyspace,
         cfg: &SessionConfig,
-        clock: &dyn Clock,
+        clock: Arc<dyn Clock>,
     ) -> Result<Session, MetaError> {
         let rec = NodeRecord {
             name: cfg.node_name.clone(),
@@ -84,6 +87,12 @@ impl Session {
         if rec.validate().is_err() || cfg.ttl_s < 2 {
             return Err(MetaError::Invalid("bad node name or TTL"));
         }
+        let fence = cfg
+            .fence
+            .clone()
+            .unwrap_or_else(|| Arc::new(Fence::new(clock.clone())));
+        // The lease may start as soon as the grant is sent.
+        let sent = fence.clock().mono();
         let grant = kv.lease_grant(cfg.ttl_s).await?;
         let id = SessionId(u64::try_from(grant.id).map_err(|_| MetaError::Invalid("lease id"))?);
         let key = keys.member(id);
@@ -101,22 +110,42 @@ impl Session {
             let _ = kv.lease_revoke(grant.id).await;
             return Err(MetaError::Exists);
         }
-        let alive = Arc::new(AtomicBool::new(true));
-        let keepalive = tokio::spawn(keepalive_loop(
-            kv.clone(),
-            grant.id,
-            cfg.keepalive_interval,
-            Duration::from_secs(u64::try_from(grant.ttl_s).unwrap_or(1)),
-            alive.clone(),
-        ));
+        let ttl = Duration::from_secs(u64::try_from(grant.ttl_s).unwrap_or(1));
+        fence.arm(id, fence_after(sent, ttl));
+        let keeper = Keeper {
+            kv: kv.clone(),
+            lease: grant.id,
+            session: id,
+            ttl,
+            tick: cfg.keepalive_tick,
+            fence: fence.clone(),
+        };
+        let keepalive = tokio::spawn(keeper.run(sent));
         Ok(Session {
             kv,
             keys,
             id,
             lease: LeaseId(grant.id),
-            alive,
-            keepalive: Some(keepalive),
+            ttl,
+            fence,
+            keepalive: std::sync::Mutex::new(Some(keepalive)),
         })
+    }
+
+    /// The lease TTL etcd granted.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The fence this session keeps open.
+    pub fn fence(&self) -> &Arc<Fence> {
+        &self.fence
+    }
+
+    /// A compare that holds only while this session's lease is alive (its membership key
+    /// goes with it): every commit carries it, so nothing commits under a lost session.
+    pub fn member_fence(&self) -> Compare {
+        Compare::exists(self.keys.member(self.id))
     }
 
     /// This session's id (its lease id).
@@ -134,10 +163,10 @@ impl Session {
         crate::cachelock::CacheLocks::new(self.kv.clone(), self.keys.clone(), self.id, self.lease.0)
     }
 
-    /// False once the lease is known lost (expired or unrenewable past its TTL): stop
-    /// allocating and writing to the device.
+    /// False once the fence has closed (the lease expired, was revoked, or was not
+    /// renewed in time): stop allocating and writing to the device.
     pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Acquire)
+        self.fence.open_for(self.id)
     }
 
     /// Claims an allocation group. `Ok(true)` if this session owns it now (newly or
@@ -237,19 +266,28 @@ impl Session {
     }
 
     /// Stops the keepalive without revoking (what a crash looks like to the cluster).
-    pub fn abandon(mut self) {
-        if let Some(h) = self.keepalive.take() {
+    pub fn abandon(self) {
+        self.stop_keepalive();
+    }
+
+    /// Stops renewing and closes the fence, leaving the lease to run out (a node that
+    /// fenced itself: it may still be alive in etcd, but this node no longer counts on
+    /// it). Idempotent.
+    pub fn stop_keepalive(&self) {
+        let h = self
+            .keepalive
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(h) = h {
             h.abort();
         }
-        self.alive.store(false, Ordering::Release);
+        self.fence.close(Some(self.id));
     }
 
     /// Ends the session: revokes the lease, which deletes its membership and group keys.
-    pub async fn close(mut self) -> Result<(), MetaError> {
-        if let Some(h) = self.keepalive.take() {
-            h.abort();
-        }
-        self.alive.store(false, Ordering::Release);
+    pub async fn close(self) -> Result<(), MetaError> {
+        self.stop_keepalive();
         match self.kv.lease_revoke(self.lease.0).await {
             Ok(()) | Err(KvError::LeaseNotFound) => Ok(()),
             Err(e) => Err(e.into()),
@@ -259,37 +297,74 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        if let Some(h) = self.keepalive.take() {
-            h.abort();
-        }
+        self.stop_keepalive();
     }
 }
 
-async fn keepalive_loop(
+/// The keepalive task: renews the lease every quarter TTL (retrying failures every
+/// [`RETRY_EVERY`]) and moves the fence to a margin before the earliest expiry the
+/// acknowledged renewal allows, measured from when it was *sent*. It never waits past
+/// the fence for an answer: a renewal acknowledged after the fence closed is no use.
+struct Keeper {
     kv: Arc<dyn KvBackend>,
     lease: i64,
-    interval: Duration,
+    session: SessionId,
     ttl: Duration,
-    alive: Arc<AtomicBool>,
-) {
-    let mut since_ok = Duration::ZERO;
-    loop {
-        tokio::time::sleep(interval).await;
-        match kv.lease_keepalive(lease).await {
-            Ok(_) => since_ok = Duration::ZERO,
-            Err(KvError::LeaseNotFound) => {
-                log::error!("session lease {lease:x} expired: node must stop writing");
-                alive.store(false, Ordering::Release);
+    tick: Duration,
+    fence: Arc<Fence>,
+}
+
+impl Keeper {
+    async fn run(self, mut last_sent: Duration) {
+        let clock = self.fence.clock().clone();
+        let lease = self.lease;
+        let mut retry_at: Option<Duration> = None;
+        loop {
+            tokio::time::sleep(self.tick).await;
+            if !self.fence.open_for(self.session) {
+                log::error!(
+                    "session {lease:x}: fence closed {:.1} s after the last acknowledged \
+                     renewal was sent; the node stops device I/O and registers again",
+                    clock.mono().saturating_sub(last_sent).as_secs_f64()
+                );
+                self.fence.close(Some(self.session));
                 return;
             }
-            Err(e) => {
-                since_ok += interval;
-                log::warn!("lease {lease:x} keepalive failed: {e}");
-                if since_ok >= ttl {
-                    log::error!("lease {lease:x} not renewed for a full TTL: assuming lost");
-                    alive.store(false, Ordering::Release);
+            let now = clock.mono();
+            if now < retry_at.unwrap_or(last_sent + renew_every(self.ttl)) {
+                continue;
+            }
+            let budget = self.fence.left().max(Duration::from_millis(1));
+            match tokio::time::timeout(budget, self.kv.lease_keepalive(lease)).await {
+                Ok(Ok(_)) if !self.fence.open_for(self.session) => {
+                    // Acknowledged after the fence ran out: whatever this node did
+                    // meanwhile assumed the lease lost, so it stays lost.
+                    continue;
+                }
+                Ok(Ok(left)) if left > 0 => {
+                    let left = Duration::from_secs(u64::try_from(left).unwrap_or(0));
+                    self.fence.renew(self.session, fence_after(now, left));
+                    last_sent = now;
+                    retry_at = None;
+                }
+                Ok(Ok(_)) | Ok(Err(KvError::LeaseNotFound)) => {
+                    log::error!(
+                        "session {lease:x}: the lease is gone in etcd (expired or evicted); \
+                         the node stops device I/O and registers again"
+                    );
+                    self.fence.close(Some(self.session));
                     return;
                 }
+                Ok(Err(e)) => {
+                    log::warn!(
+                        "session {lease:x}: renewing the lease failed ({e}); {:.1} s left \
+                         before the node stops device I/O",
+                        self.fence.left().as_secs_f64()
+                    );
+                    retry_at = Some(clock.mono() + RETRY_EVERY);
+                }
+                // Out of time: the fence check above ends it.
+                Err(_) => retry_at = Some(clock.mono()),
             }
         }
     }

@@ -20,7 +20,7 @@ use meta::{
 
 fn cfg(name: &str) -> SessionConfig {
     SessionConfig {
-        keepalive_interval: Duration::from_millis(20),
+        keepalive_tick: Duration::from_millis(20),
         ..SessionConfig::new(name)
     }
 }
@@ -82,10 +82,10 @@ async fn crash_frees_groups_and_orphans_on_model() {
     meta::format::format(&*kv, &keys, &sb, root, Timespec::new(1, 0), false)
         .await
         .unwrap();
-    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), &*clock)
+    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
         .await
         .unwrap();
-    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), &*clock)
+    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), clock.clone())
         .await
         .unwrap();
     assert_ne!(a.id(), b.id());
@@ -186,11 +186,11 @@ async fn session_on_real_etcd() {
         .unwrap()
         .as_nanos();
     let keys = Keyspace::new(&format!("etcfs-test-{nanos:x}")).unwrap();
-    let clock = meta::clock::SystemClock::new();
-    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), &clock as &dyn Clock)
+    let clock: Arc<dyn Clock> = Arc::new(meta::clock::SystemClock::new());
+    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
         .await
         .unwrap();
-    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), &clock as &dyn Clock)
+    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), clock.clone())
         .await
         .unwrap();
     assert!(a.claim_group(GroupId(3)).await.unwrap());

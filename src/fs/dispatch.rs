@@ -14,17 +14,32 @@ fn cached_io(flags: u32, off: u64, len: u64) -> Option<locks::Range> {
 
 impl EtcFs {
     /// Runs `f` on a waiter when the reply can be deferred, else inline.
+    /// The operation runs under the session current when the request arrived
+    /// (`fence.rs`): it commits under that one or fails.
     fn offload<F>(&self, ctx: &RequestCtx<'_>, out: &mut [u8], f: F) -> Reply
     where
         F: FnOnce(&Inner) -> Result<Done, Errno> + Send + 'static,
     {
+        let op = self.inner.begin_op();
         match ctx.defer() {
             Some(d) => {
-                self.pool.run(d, f);
+                self.pool.run(d, move |i| {
+                    let _op = op.enter();
+                    f(i)
+                });
                 Reply::Deferred
             }
-            None => to_reply(f(&self.inner), out),
+            None => {
+                let _op = op.enter();
+                to_reply(f(&self.inner), out)
+            }
         }
+    }
+
+    /// A request on a file handle opened under a session since fenced: EIO, as for a
+    /// lost lock (its locks, open record and writes not yet committed are gone).
+    fn stale_handle(&self, fh: u64) -> bool {
+        !self.inner.fh_current(fh)
     }
 
     fn dispatch(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
@@ -60,6 +75,9 @@ impl EtcFs {
                     }
                 }
                 self.offload(ctx, out, move |i| i.getattr(ino))
+            }
+            Operation::Setattr(a) if a.valid & abi::FATTR_FH != 0 && self.stale_handle(a.fh) => {
+                Reply::Error(Errno::EIO)
             }
             Operation::Setattr(a) => self.offload(ctx, out, move |i| {
                 let _held = i.hold_regular(ino, LockMode::Exclusive)?;
@@ -160,6 +178,24 @@ impl EtcFs {
                 self.offload(ctx, out, move |i| i.open_file(ino, flags, false))
             }
             Operation::Opendir { .. } => self.offload(ctx, out, move |i| i.open_file(ino, 0, true)),
+            Operation::Read { fh, .. }
+            | Operation::Write { fh, .. }
+            | Operation::Flush { fh, .. }
+            | Operation::Fsync { fh, .. }
+            | Operation::Fallocate { fh, .. }
+            | Operation::Lseek { fh, .. }
+            | Operation::Getlk { fh, .. }
+            | Operation::Setlk { fh, .. }
+            | Operation::Setlkw { fh, .. }
+                if self.stale_handle(fh) =>
+            {
+                Reply::Error(Errno::EIO)
+            }
+            Operation::Release { fh, .. } if self.stale_handle(fh) => {
+                // Nothing to close: the fence dropped the open and its record.
+                let _ = self.inner.plocks.take_fh(fh);
+                Reply::Bytes(0)
+            }
             Operation::Read {
                 offset,
                 size,
@@ -380,10 +416,9 @@ impl EtcFs {
     /// whose lock is free: nothing but mtime changes (written at FLUSH/FSYNC/RELEASE), so
     /// no etcd, no copy and no waiter. Everything else takes [`Inner::write`].
     fn write_fast(&self, ino: u64, off: u64, len: usize, kill_suid: bool) -> Option<Reply> {
+        // No fence check here: the transport asks `device_io_allowed` right before it
+        // queues the writes.
         let fd = self.inner.dev.fd()?;
-        if !(self.inner.session_alive)() {
-            return None;
-        }
         let _held = self.inner.locks.try_hold(ino, LockMode::Exclusive)?;
         let st = self.inner.files.get(ino)?;
         let mut f = st.try_lock_briefly()?;
@@ -412,6 +447,10 @@ impl Handler for EtcFs {
 
     fn serves_locks(&self) -> bool {
         true
+    }
+
+    fn device_io_allowed(&self) -> bool {
+        self.inner.fence.open()
     }
 
     fn counters(&self) -> Vec<(String, u64)> {

@@ -38,6 +38,8 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
             Errno::EIO
         }
         MetaError::Closed => Errno::EIO,
+        // Begun under a session whose lease may have ended: it must not count.
+        MetaError::SessionLost => Errno::EIO,
         // Only non-blocking submission reports it; handlers use blocking submission.
         MetaError::QueueFull => Errno::EAGAIN,
     }

@@ -350,6 +350,30 @@ impl Files {
         None
     }
 
+    /// Empties the table (the session it was opened under was fenced): every open
+    /// file's cached map and writes not yet committed are dropped, never committed.
+    /// Returns the files and how many had such writes.
+    pub(crate) fn drop_all(&self) -> (Vec<u64>, usize) {
+        let all: Vec<(u64, Arc<FileState>)> = self
+            .table()
+            .drain()
+            .map(|(ino, (_, st))| (ino, st))
+            .collect();
+        self.dirty
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        let mut lost = 0;
+        for (_, st) in &all {
+            let mut f = st.lock();
+            lost += usize::from(f.pending.take().is_some());
+            f.mtime_dirty = None;
+            f.forget_extents();
+            f.attr_rev = 0;
+        }
+        (all.into_iter().map(|(ino, _)| ino).collect(), lost)
+    }
+
     pub(crate) fn get(&self, ino: u64) -> Option<Arc<FileState>> {
         self.table().get(&ino).map(|(_, st)| st.clone())
     }

@@ -129,6 +129,17 @@ impl Held {
         lock(&self.stripes[Self::stripe_of(ino)])
     }
 
+    /// The session was fenced: its open records go with its lease, and handles opened
+    /// under it never close through here.
+    pub(crate) fn fence(&self) {
+        for s in self.stripes.iter() {
+            *lock(s) = Stripe::default();
+        }
+        self.idle.store(0, Ordering::Release);
+        lock(&self.folded).clear();
+        lock(&self.seen).clear();
+    }
+
     /// Whether this node has `ino` open.
     pub(crate) fn is_held(&self, ino: u64) -> bool {
         self.stripe(ino).count.get(&ino).is_some_and(|n| *n > 0)
@@ -191,7 +202,7 @@ impl Inner {
             self.held.idle.fetch_sub(1, Ordering::AcqRel);
         }
         if n == 0 && !kept && !s.created.remove(&ino) {
-            match self.meta.commit(Mutation::Hold { ino: Ino(ino) }) {
+            match self.commit_op(Mutation::Hold { ino: Ino(ino) }) {
                 Ok(_) => {}
                 Err(e) => return Err(errno::meta(&e)),
             }
@@ -265,7 +276,7 @@ impl Inner {
     fn unhold_locked(&self, ino: u64, s: MutexGuard<'_, Stripe>) {
         let i = Held::stripe_of(ino);
         self.held.unholds[i].fetch_add(1, Ordering::AcqRel);
-        let more = match self.meta.commit(Mutation::Unhold { ino: Ino(ino) }) {
+        let more = match self.commit_op(Mutation::Unhold { ino: Ino(ino) }) {
             Ok(out) => {
                 self.after_commit(&out);
                 out.reclaim_more

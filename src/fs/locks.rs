@@ -185,7 +185,10 @@ impl Drop for Hold {
 /// This node's cache locks.
 pub(crate) struct LockTable {
     map: Mutex<HashMap<u64, Arc<Entry>>>,
-    etcd: CacheLocks,
+    /// The current session's side in etcd (replaced when a fenced node registers again).
+    etcd: Mutex<CacheLocks>,
+    /// A grant counts only if its session's fence is still open when it is recorded.
+    fence: Arc<meta::fence::Fence>,
     jobs: Sender<Job>,
     jobs_rx: Mutex<Option<Receiver<Job>>>,
     /// How long a lock just granted is kept before giving way (`--lock-min-hold-ms`): a
@@ -230,11 +233,16 @@ fn remove_one(v: &mut Vec<Range>, r: Range) {
 }
 
 impl LockTable {
-    pub(crate) fn new(etcd: CacheLocks, min_hold: Duration) -> LockTable {
+    pub(crate) fn new(
+        etcd: CacheLocks,
+        fence: Arc<meta::fence::Fence>,
+        min_hold: Duration,
+    ) -> LockTable {
         let (tx, rx) = bounded(JOBS_MAX);
         LockTable {
             map: Mutex::new(HashMap::new()),
-            etcd,
+            etcd: Mutex::new(etcd),
+            fence,
             jobs: tx,
             jobs_rx: Mutex::new(Some(rx)),
             min_hold,
@@ -262,9 +270,45 @@ impl LockTable {
         self.table().get(&ino).cloned()
     }
 
+    /// The current session's handle on the locks in etcd.
+    fn etcd(&self) -> CacheLocks {
+        self.etcd
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// This node's session.
     pub(crate) fn me(&self) -> meta::types::SessionId {
-        self.etcd.session()
+        self.etcd().session()
+    }
+
+    /// The session's fence closed: nothing is held any more (the keys die with the
+    /// lease). Waiters wake to find out. Returns the files whose locks were held.
+    pub(crate) fn fence(&self) -> Vec<u64> {
+        let entries: Vec<(u64, Arc<Entry>)> =
+            self.table().iter().map(|(&i, e)| (i, e.clone())).collect();
+        let mut held = Vec::new();
+        for (ino, e) in entries {
+            let mut s = e.lock();
+            if s.held.take().is_some() {
+                held.push(ino);
+            }
+            s.granted_rev = 0;
+            s.granted_at = None;
+            s.wanted = None;
+            s.known = None;
+            s.needs_refresh = false;
+            s.stale.clear();
+            drop(s);
+            e.cv.notify_all();
+        }
+        held
+    }
+
+    /// A new session serves: locks are taken under it from now on.
+    pub(crate) fn rejoin(&self, etcd: CacheLocks) {
+        *self.etcd.lock().unwrap_or_else(PoisonError::into_inner) = etcd;
     }
 
     /// The mode held on `ino`, if any (not during a release).
@@ -290,11 +334,13 @@ impl LockTable {
         Some(Hold { entry: e, ino })
     }
 
-    /// Records a lock taken by a create's own transaction at `rev`.
-    pub(crate) fn created(&self, ino: u64, rev: i64) {
+    /// Records a lock taken by a create's own transaction at `rev`, under `session`.
+    pub(crate) fn created(&self, ino: u64, rev: i64, session: meta::types::SessionId) {
         let e = self.entry(ino);
         let mut s = e.lock();
-        if s.held.is_none() {
+        // Checked under the entry's lock, which `fence` takes too: a grant of a session
+        // fenced meanwhile is never recorded after the fence cleared the table.
+        if s.held.is_none() && self.fence.open_for(session) {
             s.held = Some(LockMode::Exclusive);
             s.granted_rev = rev;
             s.granted_at = Some(Instant::now());
@@ -425,7 +471,13 @@ impl Inner {
                 ino,
             }
         };
+        let session = self.op_session();
         loop {
+            if !self.locks.fence.open_for(session) {
+                // Begun under a session that is gone (or going): nothing it does may
+                // count on a lock.
+                return Err(Errno::EIO);
+            }
             if s.releasing {
                 if let Some(r) = range {
                     if covers(&s.inval, r) {
@@ -485,13 +537,20 @@ impl Inner {
             drop(s);
             // The attributes come with the grant: a fresh lock needs them anyway.
             let attr_key = (!was_held).then(|| self.meta.keys().inode(Ino(ino)));
-            let r = self.with_locks(move |l| {
+            let l = self.locks.etcd();
+            let granted_to = l.session();
+            let r = super::run_read(&self.meta, move |_, _| {
                 Box::pin(async move { l.acquire(Ino(ino), mode, known, attr_key).await })
             });
             s = e.lock();
             s.acquiring = false;
             e.cv.notify_all();
             match r {
+                // A grant under a session fenced meanwhile is worth nothing (and its key
+                // goes with the lease); checked under the entry's lock, as `fence` clears.
+                Ok(Acquired::Granted { .. }) if !self.locks.fence.open_for(granted_to) => {
+                    return Err(Errno::EIO);
+                }
                 Ok(Acquired::Granted { revision, extra }) => {
                     log::debug!("inode {ino}: granted {mode:?} at {revision}");
                     s.held = Some(mode.max(s.held.unwrap_or(mode)));
@@ -560,7 +619,7 @@ impl Inner {
         s
     }
 
-    /// Runs a cache-lock call on the pipeline's runtime.
+    /// Runs a cache-lock call of the current session on the pipeline's runtime.
     fn with_locks<T: Send + 'static>(
         &self,
         f: impl FnOnce(
@@ -570,7 +629,7 @@ impl Inner {
             > + Send
             + 'static,
     ) -> Result<T, MetaError> {
-        let l = self.locks.etcd.clone();
+        let l = self.locks.etcd();
         super::run_read(&self.meta, move |_, _| f(l))
     }
 
@@ -640,6 +699,9 @@ impl Inner {
     /// docs for the order of things.
     pub(super) fn give_way(&self, ino: u64) {
         let Some(e) = self.locks.get(ino) else { return };
+        // The session whose lock this is: a release that outlives it (fenced, and a new
+        // session registered meanwhile) must not touch the new session's key.
+        let etcd = self.locks.etcd();
         let mut s = e.lock();
         let (Some(held), Some(want)) = (s.held, s.wanted.take()) else {
             return;
@@ -702,7 +764,10 @@ impl Inner {
             self.wait_file_io(ino);
         }
         if downgrade {
-            match self.with_locks(move |l| Box::pin(async move { l.downgrade(Ino(ino)).await })) {
+            let l = etcd.clone();
+            match super::run_read(&self.meta, move |_, _| {
+                Box::pin(async move { l.downgrade(Ino(ino)).await })
+            }) {
                 Ok(()) => {
                     let mut s = e.lock();
                     s.held = Some(LockMode::Shared);
@@ -723,7 +788,10 @@ impl Inner {
         self.caches.forget_attr(ino);
         self.caches.forget_blocks(ino);
         self.files.forget_extents(ino);
-        match self.with_locks(move |l| Box::pin(async move { l.release(Ino(ino)).await })) {
+        let l = etcd;
+        match super::run_read(&self.meta, move |_, _| {
+            Box::pin(async move { l.release(Ino(ino)).await })
+        }) {
             Ok(()) => {
                 let mut s = e.lock();
                 s.held = None;

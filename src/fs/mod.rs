@@ -50,6 +50,7 @@ mod clock;
 mod dir;
 mod dispatch;
 mod errno;
+mod fence;
 mod files;
 mod held;
 mod locks;
@@ -199,6 +200,8 @@ pub(crate) struct FsConfig {
     pub cores: usize,
     /// How long a node keeps a cluster lock it was granted before giving way.
     pub lock_min_hold: Duration,
+    /// The session lease TTL in seconds.
+    pub lease_ttl_s: i64,
 }
 
 /// Kernel cache timeouts and the daemon's cache sizing.
@@ -210,6 +213,7 @@ pub(crate) struct CacheOpts {
     pub dir_names_max: usize,
     pub cores: usize,
     pub lock_min_hold: Duration,
+    pub lease_ttl_s: i64,
 }
 
 impl CacheOpts {
@@ -223,6 +227,7 @@ impl CacheOpts {
             dir_names_max: cache::DIR_NAMES_MAX,
             cores: 1,
             lock_min_hold: Duration::ZERO,
+            lease_ttl_s: 10,
         }
     }
 }
@@ -462,7 +467,17 @@ pub(crate) struct Inner {
     meta: MetaClient,
     pipeline: Mutex<Option<Pipeline>>,
     session: Mutex<Option<Arc<Session>>>,
-    session_alive: Arc<dyn Fn() -> bool + Send + Sync>,
+    /// Open while this node's lease is certainly alive (`fence.rs`).
+    fence: Arc<meta::fence::Fence>,
+    /// File handles are valid only in the generation they were opened in (bumped when a
+    /// session is fenced).
+    generation: AtomicU64,
+    /// The fence closed and what the session held was dropped; not serving again yet.
+    fenced: AtomicBool,
+    /// When a fenced node next tries to register.
+    rejoin_at: Mutex<Option<std::time::Instant>>,
+    /// The lease TTL a new session asks for.
+    lease_ttl_s: i64,
     dev: Dev,
     geometry: Geometry,
     alloc: Mutex<Allocator>,
@@ -522,10 +537,11 @@ impl EtcFs {
         };
         // The session is registered only once etcd and the device are known to hold this
         // filesystem: a refused mount leaves nothing in etcd.
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock::new());
         let pipeline = Pipeline::start_deferred(
             connect_etcd(cfg.etcd.clone()),
             keys,
-            Arc::new(SystemClock::new()),
+            clock.clone(),
             pipeline_config(),
         )
         .map_err(unreachable)?;
@@ -533,7 +549,11 @@ impl EtcFs {
         let geometry = check_filesystem(&pipeline.client(), &dev)?;
         let session = pipeline
             .register_session_with(
-                &SessionConfig::new(&node_name()),
+                &SessionConfig {
+                    ttl_s: cfg.lease_ttl_s,
+                    fence: Some(Arc::new(meta::fence::Fence::new(clock))),
+                    ..SessionConfig::new(&node_name())
+                },
                 Some(group_layout(&geometry)),
             )
             .map_err(unreachable)?;
@@ -544,6 +564,7 @@ impl EtcFs {
             dir_names_max: cfg.dir_names_max,
             cores: cfg.cores,
             lock_min_hold: cfg.lock_min_hold,
+            lease_ttl_s: cfg.lease_ttl_s,
         };
         Self::open_checked(
             pipeline,
@@ -578,14 +599,9 @@ impl EtcFs {
         waiters: usize,
     ) -> anyhow::Result<EtcFs> {
         let meta = pipeline.client();
+        let fence = session.fence().clone();
         let session = Arc::new(session);
         let cache_locks = session.cache_locks();
-        // A weak reference, so unmount can take the session back to close it.
-        let alive = {
-            let s = Arc::downgrade(&session);
-            Arc::new(move || s.upgrade().is_some_and(|s| s.is_alive()))
-                as Arc<dyn Fn() -> bool + Send + Sync>
-        };
         let inner = Arc::new(Inner {
             attr_timeout: opts.attr_timeout,
             entry_timeout: opts.entry_timeout,
@@ -595,14 +611,18 @@ impl EtcFs {
             meta,
             pipeline: Mutex::new(Some(pipeline)),
             session: Mutex::new(Some(session)),
-            session_alive: alive,
+            fence: fence.clone(),
+            generation: AtomicU64::new(1),
+            fenced: AtomicBool::new(false),
+            rejoin_at: Mutex::new(None),
+            lease_ttl_s: opts.lease_ttl_s,
             dev,
             geometry,
             alloc: Mutex::new(Allocator::new(geometry)),
             claiming: Mutex::new(()),
             space_wanted: AtomicBool::new(false),
             files: Files::default(),
-            locks: locks::LockTable::new(cache_locks, opts.lock_min_hold),
+            locks: locks::LockTable::new(cache_locks, fence, opts.lock_min_hold),
             held: held::Held::default(),
             dirs: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -674,6 +694,10 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
             waited += step;
             match inner.upgrade() {
                 Some(i) if !i.stopping.load(Ordering::Acquire) => {
+                    i.watch_fence();
+                    if i.fenced.load(Ordering::Acquire) {
+                        continue;
+                    }
                     i.commit_aged();
                     i.unhold_idle(false);
                     if waited.as_millis() % 1000 < step.as_millis() {
@@ -687,6 +711,9 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
             }
         }
         let Some(i) = inner.upgrade() else { return };
+        if i.fenced.load(Ordering::Acquire) {
+            continue;
+        }
         if lock(&i.alloc).owned().is_empty() {
             if let Err(e) = i.claim_groups(GROUPS_CLAIM_INITIAL) {
                 log::warn!("claiming allocation groups: {e}");
@@ -759,7 +786,10 @@ impl Inner {
     }
 
     fn new_fh(&self) -> u64 {
-        self.next_fh.fetch_add(1, Ordering::Relaxed)
+        fence::handle(
+            self.op_generation(),
+            self.next_fh.fetch_add(1, Ordering::Relaxed),
+        )
     }
 
     /// Commits a mutation and waits (on a waiter thread).
@@ -773,7 +803,7 @@ impl Inner {
             // Its times are what it says (an explicit utimes may go back).
             self.caches.forget_times(ino.0);
         }
-        match self.meta.commit(m) {
+        match self.commit_op(m) {
             Ok(out) => {
                 for &(ino, mtime, t) in &out.touched {
                     self.caches.own_times(ino.0, mtime.then_some(t), t);
@@ -939,7 +969,7 @@ impl Inner {
         if let Mutation::SetAttr { ino, .. } = &m {
             self.caches.forget_times(ino.0);
         }
-        let r = self.meta.commit(m);
+        let r = self.commit_op(m);
         self.settle_locked(f, r)
     }
 

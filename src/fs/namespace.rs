@@ -60,8 +60,11 @@ impl Inner {
         })?;
         if kind == FileType::Regular {
             // Its lock was taken in the create's own transaction.
-            self.locks
-                .created(out.ino.map_or(0, |i| i.0), out.revision.0);
+            self.locks.created(
+                out.ino.map_or(0, |i| i.0),
+                out.revision.0,
+                self.op_session(),
+            );
         }
         Ok((out.attr.ok_or(Errno::EIO)?, out.revision.0))
     }

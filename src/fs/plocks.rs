@@ -318,6 +318,17 @@ impl Plocks {
         self.state().holders.contains(&(ino, owner, flock))
     }
 
+    /// The session was fenced: its locks went with its lease. Forgets them, and wakes
+    /// every waiter to find that out (their next try answers ENOLCK).
+    pub(super) fn fence(&self) {
+        let mut s = self.state();
+        s.holders.clear();
+        s.by_fh.clear();
+        drop(s);
+        lock(&self.known).clear();
+        self.changed.notify_all();
+    }
+
     /// Wakes every waiter for good (unmount).
     pub(super) fn stop(&self) {
         self.state().stopping = true;
@@ -451,7 +462,7 @@ enum Round {
 impl Inner {
     fn lock_session(&self) -> Result<(SessionId, i64), Errno> {
         let s = lock(&self.session).clone().ok_or(Errno::EIO)?;
-        if !s.is_alive() {
+        if !s.is_alive() || s.id() != self.op_session() {
             // Our keys may be gone with the lease: a lock granted now would not hold.
             return Err(Errno::ENOLCK);
         }
@@ -792,9 +803,11 @@ impl EtcFs {
             return Reply::Deferred;
         }
         let inner = self.inner.clone();
+        let op = inner.begin_op();
         let spawned = std::thread::Builder::new()
             .name("etcfs-lockwait".into())
             .spawn(move || {
+                let _op = op.enter();
                 match inner.setlk((ino, fh), owner, lk, lk_flags, Some(unique)) {
                     Ok(_) => d.bytes(Vec::new()),
                     Err(e) => d.error(e),

@@ -136,7 +136,7 @@ impl Inner {
         let block = at - at % BLOCK_SIZE;
         let extents = self.extents_for(f, ino, block, BLOCK_SIZE)?;
         if let Some(dev_off) = written_block(&extents, block) {
-            let mut io = self.dev.io();
+            let mut io = self.io();
             let mut buf = AlignedBuf::new(BLOCK_SIZE as usize);
             io.read_at(&mut buf, dev_off).map_err(|e| errno::dev(&e))?;
             buf[(at - block) as usize..].fill(0);
@@ -362,7 +362,7 @@ impl Inner {
         {
             edges.push((inner_end, 0, end - inner_end));
         }
-        let mut io = self.dev.io();
+        let mut io = self.io();
         for (block, from, to) in edges {
             let extents = self.extents_for(&mut f, st.ino, block, BLOCK_SIZE)?;
             if let Some(dev_off) = written_block(&extents, block) {

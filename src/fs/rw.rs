@@ -31,7 +31,7 @@ impl Inner {
             if let Mutation::SetExtents { free_maps, .. } = &mut m {
                 *free_maps = encode_maps(&a, &a.groups_of(&blocks));
             }
-            self.meta.submit_blocking(m)
+            self.submit_op(m)
         };
         let r = ticket.and_then(|t| t.wait());
         self.settle_locked(f, r)
@@ -125,7 +125,7 @@ impl Inner {
         }
         // No fd to hand the transport (memory device), or an unaligned read whose
         // aligned cover exceeds the reply buffer: read it here.
-        Ok(Done::Bytes(exec_read(&mut *self.dev.io(), &plan)?))
+        Ok(Done::Bytes(exec_read(&mut *self.io(), &plan)?))
     }
 
     /// WRITE: data to the device (durable first when new blocks get mapped), then the
@@ -139,7 +139,7 @@ impl Inner {
         append: bool,
     ) -> Result<Done, Errno> {
         let len = data.len() as u64;
-        if !(self.session_alive)() {
+        if !self.op_serving() {
             // Our lease is gone: another node may own our groups now.
             return Err(Errno::EIO);
         }
@@ -169,7 +169,7 @@ impl Inner {
             // for every other write in flight first) would send the cores' next writes of
             // this file here too.
             drop(f);
-            let mut io = self.dev.io();
+            let mut io = self.io();
             for seg in &segments {
                 let mut piece = AlignedBuf::new(seg.len);
                 piece[..seg.len].copy_from_slice(&data[seg.src..seg.src + seg.len]);
@@ -225,7 +225,7 @@ impl Inner {
 
         // Build the block-aligned image of the write.
         let mut buf = AlignedBuf::new(plan.block_len as usize);
-        let mut io = self.dev.io();
+        let mut io = self.io();
         for b in &plan.rmw {
             if b.file_off < plan.block_off {
                 // The old EOF block before the write: zero its tail in place.
@@ -472,7 +472,7 @@ impl Inner {
         let Some(mut p) = f.pending.take() else {
             return Ok(Vec::new());
         };
-        if !(self.session_alive)() {
+        if !self.op_serving() {
             log::error!(
                 "dropping pending writes of inode {} (bytes {}..{}): this node's session is \
                  gone",
@@ -484,7 +484,7 @@ impl Inner {
             return Err(Errno::EIO);
         }
         st.wait_io(f);
-        let r = match self.dev.io().flush() {
+        let r = match self.io().flush() {
             Ok(()) => self.commit_range(st.ino, f, &p).inspect_err(|&e| {
                 // Unknown outcome (etcd unreachable): it may have been applied.
                 p.maybe_applied |= e == Errno::EIO;

@@ -386,7 +386,7 @@ impl Inner {
                 }
             }
             let since = *asked.get_or_insert_with(std::time::Instant::now);
-            if since.elapsed() > SPACE_WAIT_MAX || !(self.session_alive)() {
+            if since.elapsed() > SPACE_WAIT_MAX || !self.op_serving() {
                 log::warn!(
                     "no node handed over space within {} s: ENOSPC",
                     SPACE_WAIT_MAX.as_secs()

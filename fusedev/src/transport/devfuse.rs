@@ -404,7 +404,7 @@ impl<'a> Worker<'a> {
                     .pipe
                     .as_ref()
                     .is_some_and(|pp| len.div_ceil(PAGE) + 2 <= pp.2 / PAGE);
-                if fits_pipe && len > 0 {
+                if fits_pipe && len > 0 && self.shared.handler.device_io_allowed() {
                     self.splice(idx, p, fd, offset, len);
                 } else {
                     let plan = ReadPlan {
@@ -452,6 +452,7 @@ impl<'a> Worker<'a> {
 
     fn start_read(&mut self, idx: usize, p: Pending, mut plan: ReadPlan, short_is_eof: bool) {
         self.holds[idx] = plan.hold.take();
+        let allowed = self.shared.handler.device_io_allowed();
         let mut progress = IoProgress::read(&plan, short_is_eof);
         let mut pos = 0;
         for seg in &plan.segments {
@@ -459,6 +460,7 @@ impl<'a> Worker<'a> {
                 Segment::Zero { len } => {
                     self.slots[idx].out[ARGS_AT + pos..ARGS_AT + pos + len].fill(0)
                 }
+                Segment::Device { len, .. } if !allowed => progress.segment_queued(len, false),
                 Segment::Device { fd, offset, len } => {
                     let buf = self.slots[idx].out[ARGS_AT + pos..].as_mut_ptr();
                     let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
@@ -476,8 +478,13 @@ impl<'a> Worker<'a> {
     /// Writes a WRITE's data from the slot's in buffer (where `data_at` says it starts) to
     /// the device with io_uring WRITEs.
     fn start_write(&mut self, idx: usize, p: Pending, plan: WritePlan, data_at: usize) {
+        let allowed = self.shared.handler.device_io_allowed();
         let mut progress = IoProgress::write(plan.written);
         for seg in &plan.segments {
+            if !allowed {
+                progress.segment_queued(seg.len, false);
+                continue;
+            }
             let start = data_at + seg.src;
             let buf = self.slots[idx].inbuf[start..start + seg.len].as_ptr();
             let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)

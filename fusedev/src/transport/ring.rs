@@ -740,12 +740,14 @@ impl<'a> Worker<'a> {
     /// Reads a READ reply's device segments into the payload with io_uring READs.
     fn start_read(&mut self, idx: usize, p: Pending, mut plan: ReadPlan, short_is_eof: bool) {
         self.holds[idx] = plan.hold.take();
+        let allowed = self.shared.handler.device_io_allowed();
         let e = &mut self.entries[idx];
         let mut progress = IoProgress::read(&plan, short_is_eof);
         let mut pos = 0;
         for seg in &plan.segments {
             match *seg {
                 Segment::Zero { len } => e.payload[pos..pos + len].fill(0),
+                Segment::Device { len, .. } if !allowed => progress.segment_queued(len, false),
                 Segment::Device { fd, offset, len } => {
                     let buf = e.payload[pos..].as_mut_ptr();
                     let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
@@ -766,9 +768,14 @@ impl<'a> Worker<'a> {
 
     /// Writes a WRITE's data from the payload to the device with io_uring WRITEs.
     fn start_write(&mut self, idx: usize, p: Pending, plan: WritePlan) {
+        let allowed = self.shared.handler.device_io_allowed();
         let e = &mut self.entries[idx];
         let mut progress = IoProgress::write(plan.written);
         for seg in &plan.segments {
+            if !allowed {
+                progress.segment_queued(seg.len, false);
+                continue;
+            }
             let buf = e.payload[seg.src..seg.src + seg.len].as_ptr();
             let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)
                 .offset(seg.offset)

@@ -8,7 +8,10 @@
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
-    sync::{atomic::Ordering, Arc},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::Duration,
 };
 
@@ -27,7 +30,7 @@ use crate::{
     error::{KvError, MetaError},
     keys::Keyspace,
     kv::{
-        ranges_overlap, CompareOp, CompareTarget, KvBackend, RangeRequest, Txn, TxnOp,
+        ranges_overlap, Compare, CompareOp, CompareTarget, KvBackend, RangeRequest, Txn, TxnOp,
         TxnOpResponse, TxnResponse,
     },
     types::{Ino, Revision, SessionId, Timespec},
@@ -37,6 +40,9 @@ use crate::{
 pub(crate) enum Request {
     Mutate {
         m: Mutation,
+        /// The session the submitter worked under: the mutation commits under it or not
+        /// at all (`MetaError::SessionLost`).
+        session: SessionId,
         done: Completer<Outcome>,
     },
     Flush {
@@ -147,6 +153,7 @@ enum St {
 
 struct Work {
     m: Mutation,
+    session: SessionId,
     done: Option<Completer<Outcome>>,
     snap: Snapshot,
     /// Revision every snapshot entry was read at (0: nothing read yet). Later reads of
@@ -204,7 +211,9 @@ pub(crate) struct Committer {
     pub(crate) kv: Arc<dyn KvBackend>,
     pub(crate) keys: Keyspace,
     pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) session: SessionId,
+    /// The session current mutations commit under (the node registers a new one after
+    /// losing its lease; `MetaClient::set_session`).
+    pub(crate) session: Arc<AtomicU64>,
     pub(crate) cfg: Config,
     pub(crate) stats: Arc<Stats>,
     pub(crate) rx: Receiver<Request>,
@@ -231,7 +240,7 @@ impl Committer {
         kv: Arc<dyn KvBackend>,
         keys: Keyspace,
         clock: Arc<dyn Clock>,
-        session: SessionId,
+        session: Arc<AtomicU64>,
         cfg: Config,
         stats: Arc<Stats>,
         rx: Receiver<Request>,
@@ -295,13 +304,24 @@ impl Committer {
         // Anything left (only possible if tasks panicked) is answered by Completer drops.
     }
 
-    fn add_work(&mut self, m: Mutation, done: Option<Completer<Outcome>>) -> u64 {
+    fn current_session(&self) -> SessionId {
+        SessionId(self.session.load(Ordering::Acquire))
+    }
+
+    fn add_work(
+        &mut self,
+        m: Mutation,
+        session: Option<SessionId>,
+        done: Option<Completer<Outcome>>,
+    ) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
+        let session = session.unwrap_or_else(|| self.current_session());
         self.works.insert(
             id,
             Work {
                 m,
+                session,
                 done,
                 snap: Snapshot::default(),
                 snap_rev: 0,
@@ -315,11 +335,17 @@ impl Committer {
         id
     }
 
+    /// A mutation of the pipeline's own (timestamps, inode numbers), under the current
+    /// session.
+    fn add_work_now(&mut self, m: Mutation) -> u64 {
+        self.add_work(m, None, None)
+    }
+
     fn intake(&mut self) {
         while self.works.len() < self.cfg.pending_max {
             match self.rx.try_recv() {
-                Ok(Request::Mutate { m, done }) => {
-                    self.add_work(m, Some(done));
+                Ok(Request::Mutate { m, session, done }) => {
+                    self.add_work(m, Some(session), Some(done));
                 }
                 Ok(Request::Flush { dir, done }) => {
                     let limit = self.next_id;
@@ -365,14 +391,12 @@ impl Committer {
     fn emit_touch(&mut self, ino: Ino) -> Option<u64> {
         let e = self.touches.remove(&ino)?;
         self.stats.touches_written.fetch_add(1, Ordering::Relaxed);
-        Some(self.add_work(
-            Mutation::Touch {
-                ino,
-                mtime: e.mtime,
-                ctime: e.ctime,
-            },
-            None,
-        ))
+        // Coalesced timestamps answer nobody: they go under whichever session is current.
+        Some(self.add_work_now(Mutation::Touch {
+            ino,
+            mtime: e.mtime,
+            ctime: e.ctime,
+        }))
     }
 
     /// Coalesces a timestamp; returns the time that will be written for it.
@@ -518,12 +542,9 @@ impl Committer {
             && self.pool_left() < self.cfg.ino_batch / 4 + waiting_inos
         {
             self.reserving = true;
-            self.add_work(
-                Mutation::ReserveInos {
-                    count: self.cfg.ino_batch,
-                },
-                None,
-            );
+            self.add_work_now(Mutation::ReserveInos {
+                count: self.cfg.ino_batch,
+            });
         }
         let ids: Vec<u64> = self
             .works
@@ -553,7 +574,7 @@ impl Committer {
             let ctx = PlanCtx {
                 keys: &self.keys,
                 now,
-                session: self.session,
+                session: w.session,
                 new_ino: w.ino,
                 block_size: self.cfg.block_size,
                 groups: self.cfg.groups,
@@ -650,11 +671,19 @@ impl Committer {
             // Accesses of works skipped for this batch: later works touching the same
             // keys are skipped too, so they cannot commit ahead of them.
             let mut deferred: Vec<Access> = Vec::new();
+            // One transaction commits under one session (it compares that session's
+            // membership): works of another wait for the next batch.
+            let mut batch_session: Option<SessionId> = None;
             for id in ready.by_ref() {
                 let Some(w) = self.works.get(&id) else {
                     continue;
                 };
                 let St::Ready(p, acc) = &w.st else { continue };
+                if batch_session.is_some_and(|s| s != w.session) {
+                    skipped.push(id);
+                    deferred.extend(acc.iter().cloned());
+                    continue;
+                }
                 let busy = self.inflight.iter().any(|(_, a)| conflict(a, acc))
                     || conflict(&blocked, acc)
                     || unplanned
@@ -682,6 +711,7 @@ impl Committer {
                     continue;
                 }
                 let solo = w.solo;
+                batch_session = Some(w.session);
                 let Some(w) = self.works.get_mut(&id) else {
                     continue;
                 };
@@ -705,16 +735,23 @@ impl Committer {
             // Skipped works go to the next batch of this round.
             let rest: Vec<u64> = skipped.into_iter().chain(ready).collect();
             ready = rest.into_iter().peekable();
-            if members.is_empty() {
+            let Some(session) = batch_session.filter(|_| !members.is_empty()) else {
                 break;
-            }
-            self.send_batch(members, batch_acc);
+            };
+            self.send_batch(members, batch_acc, session);
         }
     }
 
-    fn send_batch(&mut self, mut members: Vec<Member>, acc: Vec<Access>) {
+    fn send_batch(&mut self, mut members: Vec<Member>, acc: Vec<Access>, session: SessionId) {
         let mut txn = Txn::default();
         let mut failure_reqs: Vec<RangeRequest> = Vec::new();
+        if self.cfg.fence_on_member {
+            // Nothing commits once the session's lease is gone: etcd deleted the key
+            // with it. The failure branch reads it first (`on_compare_failed`).
+            let member = self.keys.member(session);
+            txn.compares.push(Compare::exists(member.clone()));
+            failure_reqs.push(RangeRequest::key(member));
+        }
         for m in &mut members {
             m.op_start = txn.success.len();
             txn.compares.extend(m.plan.compares.iter().cloned());
@@ -915,6 +952,15 @@ impl Committer {
                 .find(|(req, _)| req.key == c.key && req.range_end == c.range_end)
                 .map(|(_, r)| *r)
         };
+        // The member key is the first thing the failure branch reads.
+        let session_lost =
+            self.cfg.fence_on_member && fresh.first().is_some_and(|(_, r)| r.kvs.is_empty());
+        if session_lost {
+            for m in members {
+                self.finish(m.id, Err(MetaError::SessionLost));
+            }
+            return;
+        }
         for m in members {
             let Some(w) = self.works.get_mut(&m.id) else {
                 continue;

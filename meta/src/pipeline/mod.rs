@@ -78,6 +78,9 @@ pub struct Config {
     /// A create of a regular file takes its cache lock for the session (under the
     /// session's lease: only for a registered session, whose id is its lease).
     pub lock_at_create: bool,
+    /// Every transaction compares the session's membership key, so that nothing commits
+    /// once its lease is gone (only for a registered session).
+    pub fence_on_member: bool,
 }
 
 impl Default for Config {
@@ -97,6 +100,7 @@ impl Default for Config {
             reads_queued_max: 4096,
             groups: None,
             lock_at_create: false,
+            fence_on_member: false,
         }
     }
 }
@@ -312,6 +316,8 @@ pub struct MetaClient {
     runtime: tokio::runtime::Handle,
     reads_queued: Arc<AtomicU64>,
     reads_queued_max: u64,
+    /// The session mutations are stamped with unless the caller names one.
+    session: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for MetaClient {
@@ -396,7 +402,7 @@ impl Pipeline {
         let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
         // Registered on the pipeline's runtime, so the keepalive task runs there.
         self.runtime.spawn(async move {
-            let r = Session::register(kv, keys, &scfg, &*clock).await;
+            let r = Session::register(kv, keys, &scfg, clock).await;
             let _ = done_tx.send(r);
         });
         let s = done_rx
@@ -404,6 +410,8 @@ impl Pipeline {
             .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
         match s {
             Ok(s) => {
+                // Stamped from now on, though the committer may not have started yet.
+                self.client().set_session(s.id());
                 tx.send((s.id(), groups))
                     .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
                 Ok(s)
@@ -428,6 +436,11 @@ impl Pipeline {
         assert!(cfg.txns_in_flight_max >= 1 && cfg.pending_max >= 1 && cfg.ino_batch >= 1);
         let (tx, rx) = bounded(cfg.submit_queue_max);
         let notify = Arc::new(Notify::new());
+        let current = Arc::new(AtomicU64::new(match &session {
+            SessionSource::Fixed(id) => id.0,
+            SessionSource::Deferred(_) => 0,
+        }));
+        let current2 = current.clone();
         let stats = Arc::new(Stats::default());
         let own = Arc::new(OwnCommits::default());
         let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
@@ -465,6 +478,7 @@ impl Pipeline {
                                 c2.groups = groups;
                             }
                             c2.lock_at_create = true;
+                            c2.fence_on_member = true;
                             id
                         }
                         Err(_) => {
@@ -480,7 +494,9 @@ impl Pipeline {
                         }
                     },
                 };
-                let committer = commit::Committer::new(backend, k2, clock2, id, c2, s2, rx, n2, o2);
+                current2.store(id.0, Ordering::Release);
+                let committer =
+                    commit::Committer::new(backend, k2, clock2, current2, c2, s2, rx, n2, o2);
                 rt.block_on(committer.run());
             })
             .map_err(|e| MetaError::Unavailable(format!("spawn pipeline thread: {e}")))?;
@@ -497,6 +513,7 @@ impl Pipeline {
             runtime: runtime.clone(),
             reads_queued: Arc::new(AtomicU64::new(0)),
             reads_queued_max: cfg.reads_queued_max as u64,
+            session: current,
         };
         Ok(Pipeline {
             client: Some(client),
@@ -583,24 +600,67 @@ impl MetaClient {
         res
     }
 
+    /// The session mutations commit under unless their submitter names another.
+    pub fn session(&self) -> SessionId {
+        SessionId(self.session.load(Ordering::Acquire))
+    }
+
+    /// Makes `s` the session of mutations submitted from now on (a node that lost its
+    /// lease registered a new one). Work submitted under the old one still commits under
+    /// it or fails (`MetaError::SessionLost`).
+    pub fn set_session(&self, s: SessionId) {
+        self.session.store(s.0, Ordering::Release);
+    }
+
+    /// Registers a new [`Session`] on the pipeline's runtime (its keepalive runs there)
+    /// and makes it current.
+    pub fn register_session(
+        &self,
+        cfg: &SessionConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Session, MetaError> {
+        let (kv, keys, scfg) = (self.backend.clone(), self.keys.clone(), cfg.clone());
+        let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
+        self.runtime.spawn(async move {
+            let _ = done_tx.send(Session::register(kv, keys, &scfg, clock).await);
+        });
+        let s = done_rx
+            .recv()
+            .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))??;
+        self.set_session(s.id());
+        Ok(s)
+    }
+
     /// Submits a mutation without blocking; `QueueFull` when the submission queue is at
     /// `submit_queue_max` (the caller parks the request and retries).
     pub fn submit(&self, m: Mutation) -> Result<Ticket<Outcome>, MetaError> {
         let (t, done) = ticket();
-        self.send(Request::Mutate { m, done }, false)?;
+        let session = self.session();
+        self.send(Request::Mutate { m, session, done }, false)?;
         Ok(t)
     }
 
     /// Submits a mutation, blocking while the queue is full (back-pressure).
     pub fn submit_blocking(&self, m: Mutation) -> Result<Ticket<Outcome>, MetaError> {
+        self.submit_as(m, self.session())
+    }
+
+    /// [`MetaClient::submit_blocking`] for work begun under `session`: it commits under
+    /// that session or fails with `SessionLost`.
+    pub fn submit_as(&self, m: Mutation, session: SessionId) -> Result<Ticket<Outcome>, MetaError> {
         let (t, done) = ticket();
-        self.send(Request::Mutate { m, done }, true)?;
+        self.send(Request::Mutate { m, session, done }, true)?;
         Ok(t)
     }
 
     /// Submits and waits for the commit.
     pub fn commit(&self, m: Mutation) -> Result<Outcome, MetaError> {
         self.submit_blocking(m)?.wait()
+    }
+
+    /// [`MetaClient::commit`] under `session` (see [`MetaClient::submit_as`]).
+    pub fn commit_as(&self, m: Mutation, session: SessionId) -> Result<Outcome, MetaError> {
+        self.submit_as(m, session)?.wait()
     }
 
     /// A flush barrier: completes when every mutation submitted before it has completed

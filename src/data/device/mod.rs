@@ -64,6 +64,9 @@ pub(crate) enum DevError {
     },
     /// A fault injected by [`mem::MemDev`].
     Injected { op: &'static str, off: u64 },
+    /// Refused: this node's lease may have ended, so another node may own these blocks
+    /// now (`fs::fence`).
+    Fenced,
 }
 
 impl DevError {
@@ -128,6 +131,9 @@ impl fmt::Display for DevError {
                 "device {op} of {len} bytes at offset {off} stopped after {done} bytes"
             ),
             DevError::Injected { op, off } => write!(f, "injected {op} fault at offset {off}"),
+            DevError::Fenced => {
+                f.write_str("device I/O refused: this node's session lease may have ended (fenced)")
+            }
         }
     }
 }
