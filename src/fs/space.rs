@@ -10,6 +10,52 @@
 
 use super::*;
 
+/// Released records (`R`) read per page when a group is loaded.
+#[cfg(not(test))]
+const RELEASED_LOAD_PAGE: i64 = 4096;
+/// Small in unit tests, so that their groups' records take several pages.
+#[cfg(test)]
+const RELEASED_LOAD_PAGE: i64 = 8;
+
+/// When this node last saw each of its groups' allocation stamps change
+/// (`Allocator::last_use`): how long a group has been idle.
+#[derive(Default)]
+pub(crate) struct IdleGroups {
+    seen: HashMap<AgId, (u64, std::time::Instant)>,
+}
+
+impl IdleGroups {
+    /// The owned groups whose stamp has not changed for `idle_for` and that have nothing
+    /// reserved; a group seen for the first time counts as used now.
+    fn idle(
+        &mut self,
+        a: &Allocator,
+        now: std::time::Instant,
+        idle_for: std::time::Duration,
+    ) -> BTreeSet<AgId> {
+        self.seen.retain(|g, _| a.owned().contains(g));
+        let mut out = BTreeSet::new();
+        for &g in a.owned() {
+            let stamp = a.last_use(g);
+            let since = match self.seen.get(&g) {
+                Some(&(s, t)) if s == stamp && a.reserved_in(g) == 0 => t,
+                _ => {
+                    self.seen.insert(g, (stamp, now));
+                    now
+                }
+            };
+            if now.duration_since(since) >= idle_for && a.reserved_in(g) == 0 {
+                out.insert(g);
+            }
+        }
+        out
+    }
+
+    fn forget(&mut self, g: AgId) {
+        self.seen.remove(&g);
+    }
+}
+
 impl Inner {
     /// Returns freed device ranges to the allocator and persists the free maps of the
     /// groups this node owns, deleting the released records (`R`) the freeing commit logged
@@ -240,15 +286,32 @@ impl Inner {
             return Ok(false);
         };
         let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
+        // Every released record of the group, in pages: one left out would be older than
+        // the map written below and dropped unapplied by the next load (leaked). Ranges in
+        // one group never overlap, so there are at most as many as the group has blocks.
         let (raw, records) = run_read(&self.meta, move |kv, keys| {
             Box::pin(async move {
                 let key = keys.free_map(GroupId(g));
                 let r = kv.range(RangeRequest::key(key)).await?;
                 let map = r.kvs.into_iter().next();
                 let rr = keys.released_between(from, to);
-                let req = RangeRequest::range(rr.start, rr.end).limit(RELEASED_LOAD_MAX);
-                let rel = kv.range(req).await?;
-                Ok((map, rel.kvs))
+                let mut start = rr.start;
+                let mut records = Vec::new();
+                loop {
+                    let req = RangeRequest::range(start, rr.end.clone()).limit(RELEASED_LOAD_PAGE);
+                    let page = kv.range(req).await?;
+                    let next = page.kvs.last().map(|kv| {
+                        let mut k = kv.key.clone();
+                        k.push(0);
+                        k
+                    });
+                    records.extend(page.kvs);
+                    match next {
+                        Some(k) if page.more => start = k,
+                        _ => break,
+                    }
+                }
+                Ok((map, records))
             })
         })?;
         // Released records written after the map are frees it cannot include (and their
@@ -265,13 +328,15 @@ impl Inner {
             let Some(meta::keys::KeyKind::Released(off)) = keys.parse(&kv.key) else {
                 continue;
             };
-            fold.push(off);
             match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value) {
                 Ok(r) if kv.mod_revision > map_rev => {
                     apply.push(Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE));
+                    fold.push(off);
                 }
-                Ok(_) => {}
-                Err(e) => log::error!("{e}; left as it is"),
+                Ok(_) => fold.push(off),
+                // Its length is unknown: the range stays used (leaked), the record stays
+                // for an operator, and the load goes on.
+                Err(e) => log::error!("{e}; released record skipped, left as it is"),
             }
         }
         let map = match raw {
@@ -321,9 +386,10 @@ impl Inner {
     }
 
     /// Orphans are kept by open records, which vanish with their node's lease: those no
-    /// node holds any more are reclaimed (`held.rs`).
+    /// node holds any more are reclaimed (`held.rs`), a bounded number of pages per call
+    /// (the next call resumes where this one stopped).
     pub(super) fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
-        self.reclaim_unheld_orphans()
+        self.reclaim_unheld_orphans().map(|_| ())
     }
 
     /// Free blocks of the groups this node owns (tests).
@@ -467,9 +533,13 @@ impl Inner {
     }
 
     /// Another node is out of space: hand back up to half the groups this node owns (the
-    /// emptiest first), never one holding blocks of writes not yet committed, and always
-    /// keeping one. Each goes with its final map (fenced on our ownership, so the next
-    /// owner loads exactly what we last allocated), then its ownership record is deleted.
+    /// emptiest first), and at least one when there is one to give, even the last: the
+    /// asker asks again every second while it waits, so every group with free space
+    /// reaches it in turn, and ENOSPC means the device is full, not that the free space is
+    /// scattered over the last groups of several nodes. Never a group holding blocks of
+    /// writes not yet committed (those are about to be used anyway). Each goes with its
+    /// final map (fenced on our ownership, so the next owner loads exactly what we last
+    /// allocated), then its ownership record is deleted.
     pub(super) fn hand_back_groups(&self) {
         // No claim runs meanwhile: one of a group being handed back (a free landing in it
         // claims it again) would be answered "yours" and could load its map from etcd
@@ -486,31 +556,76 @@ impl Inner {
                 .collect();
             owned.sort_unstable_by(|x, y| y.cmp(x));
             let keep = a.owned().len().div_ceil(2).max(1);
-            let give = a.owned().len().saturating_sub(keep);
+            let give = a.owned().len().saturating_sub(keep).max(1);
             owned.into_iter().take(give).map(|(_, g)| g).collect()
         };
         for g in candidates {
-            let ticket = {
-                let mut a = lock(&self.alloc);
-                if a.disown(g).is_err() {
-                    continue;
-                }
-                let maps = encode_maps(&a, &BTreeSet::from([g]));
-                self.meta.submit_blocking(Mutation::FreeMaps {
-                    maps,
-                    released: Vec::new(),
-                })
-            };
-            if let Err(e) = ticket.and_then(|t| t.wait()) {
-                log::warn!("handing back group {}: writing its map: {e}", g.0);
-                let _ = lock(&self.alloc).own(g);
-                continue;
+            if self.give_group_back(g) {
+                log::info!("handed group {} back for another node", g.0);
             }
-            let gid = GroupId(g.0);
-            match self.with_session(move |s| Box::pin(async move { s.release_group(gid).await })) {
-                Ok(true) => log::info!("handed group {} back for another node", g.0),
-                Ok(false) => log::warn!("group {} was no longer ours to hand back", g.0),
-                Err(e) => log::warn!("handing back group {}: {e}", g.0),
+        }
+    }
+
+    /// Gives back the groups this node has not allocated from for `idle_for` (see
+    /// [`GROUP_IDLE_GIVE_BACK`]) when it has more than it needs: it keeps at least one, and
+    /// a group's worth of free space when it has that much (`Allocator::surplus_groups`).
+    /// A group with reserved blocks is never idle (its write has not committed).
+    pub(super) fn give_back_idle_groups(&self, idle_for: std::time::Duration) {
+        let _one = lock(&self.claiming);
+        let surplus = {
+            let a = lock(&self.alloc);
+            let idle = lock(&self.idle_groups).idle(&a, std::time::Instant::now(), idle_for);
+            a.surplus_groups(&idle, self.geometry.ag_blocks)
+        };
+        for g in surplus {
+            if self.give_group_back(g) {
+                log::info!(
+                    "gave back group {}: unused for {} s, and this node has enough space without it",
+                    g.0,
+                    idle_for.as_secs()
+                );
+            }
+        }
+    }
+
+    /// Hands one owned group back (the caller holds `claiming`): stops allocating in it
+    /// (refused if it has reserved blocks), commits its final map, fenced on our
+    /// ownership, after everything already submitted (a flush: an earlier commit that
+    /// published blocks of it lands first), then deletes its ownership record.
+    fn give_group_back(&self, g: AgId) -> bool {
+        let ticket = {
+            let mut a = lock(&self.alloc);
+            if a.disown(g).is_err() {
+                return false;
+            }
+            let maps = encode_maps(&a, &BTreeSet::from([g]));
+            self.meta.submit_blocking(Mutation::FreeMaps {
+                maps,
+                released: Vec::new(),
+            })
+        };
+        let written = ticket
+            .and_then(|t| t.wait())
+            .and_then(|_| self.meta.flush(None))
+            .and_then(|t| t.wait());
+        if let Err(e) = written {
+            log::warn!("handing back group {}: writing its map: {e}", g.0);
+            let _ = lock(&self.alloc).own(g);
+            return false;
+        }
+        let gid = GroupId(g.0);
+        match self.with_session(move |s| Box::pin(async move { s.release_group(gid).await })) {
+            Ok(true) => {
+                lock(&self.idle_groups).forget(g);
+                true
+            }
+            Ok(false) => {
+                log::warn!("group {} was no longer ours to hand back", g.0);
+                false
+            }
+            Err(e) => {
+                log::warn!("handing back group {}: {e}", g.0);
+                false
             }
         }
     }
