@@ -182,7 +182,7 @@ impl Held {
     }
 
     /// Remembers a range folded from a released record.
-    fn note_folded(&self, e: Extent) {
+    pub(super) fn note_folded(&self, e: Extent) {
         let mut f = lock(&self.folded);
         let now = Instant::now();
         while f

@@ -17,6 +17,37 @@ const RELEASED_LOAD_PAGE: i64 = 4096;
 #[cfg(test)]
 const RELEASED_LOAD_PAGE: i64 = 8;
 
+/// Every released record (`R`) starting in device bytes `[from, to)`, read in pages of
+/// [`RELEASED_LOAD_PAGE`]. Ranges in one group never overlap, so a group has at most as
+/// many records as blocks.
+async fn released_records(
+    kv: &dyn meta::kv::KvBackend,
+    keys: &meta::keys::Keyspace,
+    from: u64,
+    to: u64,
+) -> Result<Vec<meta::kv::KeyValue>, MetaError> {
+    let rr = keys.released_between(from, to);
+    let mut start = rr.start;
+    let mut records = Vec::new();
+    loop {
+        let req = RangeRequest::range(start, rr.end.clone()).limit(RELEASED_LOAD_PAGE);
+        let page = kv.range(req).await?;
+        let next = page.kvs.last().map(|kv| {
+            let mut k = kv.key.clone();
+            k.push(0);
+            k
+        });
+        records.extend(page.kvs);
+        match next {
+            Some(k) if page.more => start = k,
+            _ => return Ok(records),
+        }
+    }
+}
+
+/// Groups with released records and no owner claimed per housekeeping pass.
+const ADOPT_PER_PASS: usize = 4;
+
 /// When this node last saw each of its groups' allocation stamps change
 /// (`Allocator::last_use`): how long a group has been idle.
 #[derive(Default)]
@@ -294,23 +325,7 @@ impl Inner {
                 let key = keys.free_map(GroupId(g));
                 let r = kv.range(RangeRequest::key(key)).await?;
                 let map = r.kvs.into_iter().next();
-                let rr = keys.released_between(from, to);
-                let mut start = rr.start;
-                let mut records = Vec::new();
-                loop {
-                    let req = RangeRequest::range(start, rr.end.clone()).limit(RELEASED_LOAD_PAGE);
-                    let page = kv.range(req).await?;
-                    let next = page.kvs.last().map(|kv| {
-                        let mut k = kv.key.clone();
-                        k.push(0);
-                        k
-                    });
-                    records.extend(page.kvs);
-                    match next {
-                        Some(k) if page.more => start = k,
-                        _ => break,
-                    }
-                }
+                let records = released_records(&*kv, &keys, from, to).await?;
                 Ok((map, records))
             })
         })?;
@@ -389,7 +404,49 @@ impl Inner {
     /// node holds any more are reclaimed (`held.rs`), a bounded number of pages per call
     /// (the next call resumes where this one stopped).
     pub(super) fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
+        self.adopt_released_groups()?;
         self.reclaim_unheld_orphans().map(|_| ())
+    }
+
+    /// Claims groups nobody owns that have released records (`R`): their owner died (or
+    /// gave them back) before folding frees other nodes made in them. Loading a group
+    /// applies its records, so the space is free in its map and statfs counts it, instead
+    /// of staying used until some node happens to claim the group for space. At most
+    /// [`ADOPT_PER_PASS`] groups a pass; the claimed groups go back when idle.
+    fn adopt_released_groups(&self) -> Result<(), MetaError> {
+        let (records, owners) = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move {
+                let r = keys.released_between(0, u64::MAX);
+                let req = RangeRequest::range(r.start, r.end)
+                    .limit(RELEASED_LOAD_MAX)
+                    .keys_only();
+                let records = kv.range(req).await?.kvs;
+                let owners = meta::session::group_owners(&*kv, &keys).await?;
+                Ok((records, owners))
+            })
+        })?;
+        if records.is_empty() {
+            return Ok(());
+        }
+        let owned: BTreeSet<u32> = owners.into_iter().map(|(g, _)| g.0).collect();
+        let keys = self.meta.keys();
+        let orphaned: BTreeSet<u32> = records
+            .iter()
+            .filter_map(|kv| match keys.parse(&kv.key) {
+                Some(meta::keys::KeyKind::Released(off)) => {
+                    self.geometry.ag_of(BlockNo(off / BLOCK_SIZE))
+                }
+                _ => None,
+            })
+            .map(|g| g.0)
+            .filter(|g| !owned.contains(g))
+            .collect();
+        for g in orphaned.into_iter().take(ADOPT_PER_PASS) {
+            if self.try_claim(g)? {
+                log::info!("claimed group {g}: nobody owned it, and it had frees to apply");
+            }
+        }
+        Ok(())
     }
 
     /// Free blocks of the groups this node owns (tests).
@@ -602,24 +659,92 @@ impl Inner {
     }
 
     /// Hands one owned group back (the caller holds `claiming`): stops allocating in it
-    /// (refused if it has reserved blocks), commits its final map, fenced on our
-    /// ownership, after everything already submitted (a flush: an earlier commit that
-    /// published blocks of it lands first), then deletes its ownership record.
-    fn give_group_back(&self, g: AgId) -> bool {
-        let ticket = {
+    /// (refused if it has reserved blocks), folds the released records other nodes wrote
+    /// in it, commits its final map with their deletes, fenced on our ownership, after
+    /// everything already submitted (a flush: an earlier commit that published blocks of
+    /// it lands first), then deletes its ownership record. A record left behind would be
+    /// older than that map, and the next owner drops such records unapplied (the map may
+    /// include them): its blocks leaked (found by reading try_claim against hand-back).
+    pub(super) fn give_group_back(&self, g: AgId) -> bool {
+        let Some(span) = self.geometry.ag_extent(g) else {
+            return false;
+        };
+        let tickets = {
             let mut a = lock(&self.alloc);
             if a.disown(g).is_err() {
                 return false;
             }
+            // As in `fold_released`: under the allocator lock no free of ours starts; the
+            // flush lands the ones submitted (each with its record) before the read.
+            let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
+            let records = self.meta.flush(None).and_then(|t| t.wait()).and_then(|_| {
+                run_read(&self.meta, move |kv, keys| {
+                    Box::pin(async move { released_records(&*kv, &keys, from, to).await })
+                })
+            });
+            let records = match records {
+                Ok(r) => r,
+                Err(e) => {
+                    log::warn!(
+                        "handing back group {}: reading its released records: {e}",
+                        g.0
+                    );
+                    let _ = a.own(g);
+                    return false;
+                }
+            };
+            let keys = self.meta.keys();
+            let mut folded = Vec::new();
+            for kv in &records {
+                let Some(meta::keys::KeyKind::Released(off)) = keys.parse(&kv.key) else {
+                    continue;
+                };
+                let len =
+                    match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value)
+                    {
+                        Ok(r) => r.len,
+                        Err(e) => {
+                            log::error!("{e}; released record skipped, left as it is");
+                            continue;
+                        }
+                    };
+                let ext = Extent::new(off / BLOCK_SIZE, len / BLOCK_SIZE);
+                if ext.len == 0 || ext.end() > span.end() {
+                    log::error!("released record at {off} is not inside group {}", g.0);
+                    continue;
+                }
+                match a.free(ext) {
+                    Ok(_) => {
+                        self.held.note_folded(ext);
+                        folded.push(off);
+                    }
+                    Err(AllocError::DoubleFree { .. }) => folded.push(off),
+                    Err(e) => log::error!("folding released {ext}: {e}"),
+                }
+            }
             let maps = encode_maps(&a, &BTreeSet::from([g]));
-            self.meta.submit_blocking(Mutation::FreeMaps {
-                maps,
-                released: Vec::new(),
-            })
+            let mut chunks: Vec<&[u64]> = folded.chunks(RELEASED_PER_FOLD - 1).collect();
+            if chunks.is_empty() {
+                chunks.push(&[]);
+            }
+            chunks
+                .into_iter()
+                .map(|c| {
+                    self.meta.submit_blocking(Mutation::FreeMaps {
+                        maps: maps.clone(),
+                        released: c.to_vec(),
+                    })
+                })
+                .collect::<Vec<_>>()
         };
-        let written = ticket
-            .and_then(|t| t.wait())
-            .and_then(|_| self.meta.flush(None))
+        let mut written = Ok(());
+        for t in tickets {
+            if let Err(e) = t.and_then(|t| t.wait()) {
+                written = Err(e);
+            }
+        }
+        let written = written
+            .and_then(|()| self.meta.flush(None))
             .and_then(|t| t.wait());
         if let Err(e) = written {
             log::warn!("handing back group {}: writing its map: {e}", g.0);
