@@ -1,7 +1,9 @@
 //! Space: the groups this node owns and their free maps (claims, hand-backs to other
-//! nodes, dead local sessions), blocks handed out and given back, frees returned to their
-//! groups, and orphans of dead nodes. The allocator itself is pure (`crate::data::alloc`);
-//! this is where it meets etcd.
+//! nodes when they ask or when a group has been idle, dead local sessions), blocks handed
+//! out and given back, frees returned to their groups, and what dead nodes leave: orphans
+//! and released records in groups nobody owns. The allocator itself is pure
+//! (`crate::data::alloc`); this is where it meets etcd. ARCHITECTURE.md ("Space between
+//! nodes") says what ENOSPC means and its bound.
 //!
 //! Invariants (ARCHITECTURE.md has the reasons): a group's map is loaded only when the
 //! group is not owned, and claims and hand-backs run one at a time (`Inner::claiming`); a
