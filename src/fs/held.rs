@@ -478,7 +478,10 @@ impl Inner {
     }
 
     /// Released records in the device byte spans: offset → (revision, length).
-    fn read_released(&self, spans: &[(u64, u64)]) -> Result<HashMap<u64, (i64, u64)>, MetaError> {
+    pub(super) fn read_released(
+        &self,
+        spans: &[(u64, u64)],
+    ) -> Result<HashMap<u64, (i64, u64)>, MetaError> {
         let spans = spans.to_vec();
         let kvs = run_read(&self.meta, move |kv, keys| {
             Box::pin(async move {

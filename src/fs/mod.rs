@@ -1034,6 +1034,7 @@ impl Inner {
                 log::error!("metadata flush at unmount: {e}");
             }
         }
+        self.fold_before_leaving();
         // Orphans still open here stay in etcd with our session; once the session is
         // closed they are dead and the next mount (of any node) reclaims them.
         let session = lock(&self.session).take();

@@ -660,6 +660,38 @@ impl Inner {
         }
     }
 
+    /// At unmount: hands back, with their final maps, the groups that have released
+    /// records other nodes wrote and this node has not folded yet. The session's end
+    /// frees every group anyway, but a record older than the group's last map write (any
+    /// allocation here writes it) would be dropped unapplied by the next owner: leaked.
+    pub(super) fn fold_before_leaving(&self) {
+        let spans: Vec<(AgId, (u64, u64))> = {
+            let a = lock(&self.alloc);
+            a.owned()
+                .iter()
+                .filter_map(|g| self.geometry.ag_extent(*g).map(|s| (*g, s)))
+                .map(|(g, s)| (g, (s.start.0 * BLOCK_SIZE, s.end() * BLOCK_SIZE)))
+                .collect()
+        };
+        let byte_spans: Vec<(u64, u64)> = spans.iter().map(|(_, s)| *s).collect();
+        let records = match self.read_released(&byte_spans) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("reading released records at unmount: {e}");
+                return;
+            }
+        };
+        let _one = lock(&self.claiming);
+        for (g, (from, to)) in spans {
+            if records.keys().any(|off| (from..to).contains(off)) && self.give_group_back(g) {
+                log::info!(
+                    "gave back group {} with the frees other nodes made in it",
+                    g.0
+                );
+            }
+        }
+    }
+
     /// Hands one owned group back (the caller holds `claiming`): stops allocating in it
     /// (refused if it has reserved blocks), folds the released records other nodes wrote
     /// in it, commits its final map with their deletes, fenced on our ownership, after
