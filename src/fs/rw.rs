@@ -195,10 +195,15 @@ impl Inner {
         // hand us one, and with every node waiting so, nobody could (`space.rs`).
         let holes: u64 = plan.holes().map(|(_, l)| l).sum();
         if holes > 0 && f.pending.is_some() && !self.owns_free_blocks(holes / BLOCK_SIZE) {
-            let outs = self.commit_pending_locked(&st, &mut f)?;
-            drop(f);
-            outs.iter().for_each(|o| self.after_commit_unlocked(o));
-            return self.write(ino, off, data, kill_suid, append);
+            match self.commit_pending_locked(&st, &mut f) {
+                Ok(outs) => {
+                    drop(f);
+                    outs.iter().for_each(|o| self.after_commit_unlocked(o));
+                    return self.write(ino, off, data, kill_suid, append);
+                }
+                // Kept for its next trigger; this write goes on as it would have.
+                Err(e) => log::warn!("committing writes behind of inode {ino} early: {e}"),
+            }
         }
 
         // Allocate the holes (in the groups this node owns; claim more when they run out).

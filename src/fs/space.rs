@@ -665,25 +665,37 @@ impl Inner {
     /// frees every group anyway, but a record older than the group's last map write (any
     /// allocation here writes it) would be dropped unapplied by the next owner: leaked.
     pub(super) fn fold_before_leaving(&self) {
-        let spans: Vec<(AgId, (u64, u64))> = {
-            let a = lock(&self.alloc);
-            a.owned()
-                .iter()
-                .filter_map(|g| self.geometry.ag_extent(*g).map(|s| (*g, s)))
-                .map(|(g, s)| (g, (s.start.0 * BLOCK_SIZE, s.end() * BLOCK_SIZE)))
-                .collect()
-        };
-        let byte_spans: Vec<(u64, u64)> = spans.iter().map(|(_, s)| *s).collect();
-        let records = match self.read_released(&byte_spans) {
+        // One paged read of every record (they are few: each lives for seconds).
+        let records = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { released_records(&*kv, &keys, 0, u64::MAX).await })
+        });
+        let records = match records {
             Ok(r) => r,
             Err(e) => {
                 log::warn!("reading released records at unmount: {e}");
                 return;
             }
         };
+        let keys = self.meta.keys();
+        let with_records: BTreeSet<AgId> = records
+            .iter()
+            .filter_map(|kv| match keys.parse(&kv.key) {
+                Some(meta::keys::KeyKind::Released(off)) => {
+                    self.geometry.ag_of(BlockNo(off / BLOCK_SIZE))
+                }
+                _ => None,
+            })
+            .collect();
         let _one = lock(&self.claiming);
-        for (g, (from, to)) in spans {
-            if records.keys().any(|off| (from..to).contains(off)) && self.give_group_back(g) {
+        let mine: Vec<AgId> = {
+            let a = lock(&self.alloc);
+            with_records
+                .into_iter()
+                .filter(|g| a.owned().contains(g))
+                .collect()
+        };
+        for g in mine {
+            if self.give_group_back(g) {
                 log::info!(
                     "gave back group {} with the frees other nodes made in it",
                     g.0
