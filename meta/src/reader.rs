@@ -323,31 +323,74 @@ pub async fn superblock(
         .transpose()
 }
 
-/// Lists orphan records (at most `limit`).
+/// One page of the orphan records, in key (inode) order.
+#[derive(Debug, Default)]
+pub struct OrphanPage {
+    /// The records that decoded.
+    pub orphans: Vec<OrphanRec>,
+    /// Records that did not (a key that is not an orphan's, a value that does not decode),
+    /// each naming its key: skipped, for the caller to log.
+    pub corrupt: Vec<MetaError>,
+    /// The last key of the page when more follow: pass it as `after` for the next page.
+    pub next: Option<Vec<u8>>,
+}
+
+/// Reads up to `limit` orphan records after key `after` (None: from the first). A record
+/// that does not decode is reported in [`OrphanPage::corrupt`] and the page goes on: one
+/// bad value must not hide every orphan after it.
+pub async fn orphans_page(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    after: Option<&[u8]>,
+    limit: usize,
+) -> Result<OrphanPage, MetaError> {
+    let all = keys.orphans();
+    let start = match after {
+        // The smallest key after `after`.
+        Some(k) => {
+            let mut s = k.to_vec();
+            s.push(0);
+            s.max(all.start)
+        }
+        None => all.start,
+    };
+    let lim = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+    let r = kv
+        .range(RangeRequest::range(start, all.end).limit(lim))
+        .await?;
+    let mut page = OrphanPage::default();
+    for item in &r.kvs {
+        let Some(KeyKind::Orphan(ino)) = keys.parse(&item.key) else {
+            page.corrupt.push(MetaError::Corrupt {
+                key: keys.describe(&item.key),
+                reason: "not an orphan key".into(),
+            });
+            continue;
+        };
+        match decode_at::<Owner>(keys, &item.key, &item.value) {
+            Ok(o) => page.orphans.push(OrphanRec {
+                ino,
+                session: o.session,
+            }),
+            Err(e) => page.corrupt.push(e),
+        }
+    }
+    if r.more {
+        page.next = r.kvs.last().map(|kv| kv.key.clone());
+    }
+    Ok(page)
+}
+
+/// The first `limit` orphan records (corrupt ones logged and skipped; see
+/// [`orphans_page`] to read them all).
 pub async fn orphans(
     kv: &dyn KvBackend,
     keys: &Keyspace,
     limit: usize,
 ) -> Result<Vec<OrphanRec>, MetaError> {
-    let range = keys.orphans();
-    let lim = i64::try_from(limit).unwrap_or(i64::MAX);
-    let r = kv
-        .range(RangeRequest::range(range.start, range.end).limit(lim))
-        .await?;
-    r.kvs
-        .iter()
-        .map(|item| {
-            let Some(KeyKind::Orphan(ino)) = keys.parse(&item.key) else {
-                return Err(MetaError::Corrupt {
-                    key: keys.describe(&item.key),
-                    reason: "not an orphan key".into(),
-                });
-            };
-            let o: Owner = decode_at(keys, &item.key, &item.value)?;
-            Ok(OrphanRec {
-                ino,
-                session: o.session,
-            })
-        })
-        .collect()
+    let page = orphans_page(kv, keys, None, limit).await?;
+    for e in &page.corrupt {
+        log::error!("{e}; skipped");
+    }
+    Ok(page.orphans)
 }

@@ -22,7 +22,7 @@ use crate::{
     fence::{fence_after, renew_every, Fence, RETRY_EVERY},
     keys::{KeyKind, Keyspace},
     kv::{Compare, CompareOp, CompareTarget, KvBackend, PutOp, RangeRequest, Txn, TxnOp},
-    reader::{orphans, OrphanRec},
+    reader::{orphans_page, OrphanPage},
     types::{GroupId, LeaseId, SessionId},
 };
 
@@ -404,22 +404,24 @@ pub async fn group_owners(
         .collect()
 }
 
-/// Orphans whose unlinking session is gone (its membership key expired). Another node may
-/// still have one open (its `H` record): `Mutation::ReclaimOrphan` checks that and does
-/// nothing then. The filesystem scans for orphans without open records instead.
+/// One page of the orphans whose unlinking session is gone (its membership key expired),
+/// from the orphan records after key `after` (None: from the first), at most `limit` of
+/// them read: resume with the page's `next` until it is None, so every orphan is seen
+/// whatever their number. Corrupt records are in the page's `corrupt`, skipped. Another
+/// node may still have one open (its `H` record): `Mutation::ReclaimOrphan` checks that and
+/// does nothing then. The filesystem scans for orphans without open records instead.
 pub async fn dead_orphans(
     kv: &dyn KvBackend,
     keys: &Keyspace,
+    after: Option<&[u8]>,
     limit: usize,
-) -> Result<Vec<OrphanRec>, MetaError> {
+) -> Result<OrphanPage, MetaError> {
     let live: HashSet<SessionId> = live_sessions(kv, keys)
         .await?
         .into_iter()
         .map(|(s, _)| s)
         .collect();
-    Ok(orphans(kv, keys, limit)
-        .await?
-        .into_iter()
-        .filter(|o| !live.contains(&o.session))
-        .collect())
+    let mut page = orphans_page(kv, keys, after, limit).await?;
+    page.orphans.retain(|o| !live.contains(&o.session));
+    Ok(page)
 }

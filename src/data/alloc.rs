@@ -315,6 +315,11 @@ pub(crate) struct Allocator {
     /// Reserved extents (see above), start → length, coalesced; always inside owned groups
     /// and never free in their maps.
     reserved: BTreeMap<u64, u64>,
+    /// A logical clock: one tick per allocation and per group taken on.
+    tick: u64,
+    /// The tick at which each group was last allocated from or taken on (the caller
+    /// turns changes of it into idle times: see [`Allocator::last_use`]).
+    used_at: BTreeMap<AgId, u64>,
 }
 
 impl Allocator {
@@ -325,6 +330,8 @@ impl Allocator {
             groups: BTreeMap::new(),
             owned: BTreeSet::new(),
             reserved: BTreeMap::new(),
+            tick: 0,
+            used_at: BTreeMap::new(),
         }
     }
 
@@ -366,8 +373,49 @@ impl Allocator {
         if !self.groups.contains_key(&ag) {
             return Err(AllocError::BadOwnership(ag));
         }
-        self.owned.insert(ag);
+        if self.owned.insert(ag) {
+            self.tick += 1;
+            self.used_at.insert(ag, self.tick);
+        }
         Ok(())
+    }
+
+    /// A stamp that changes whenever `ag` is allocated from or taken on: a group whose
+    /// stamp stays the same for a while is idle.
+    pub(crate) fn last_use(&self, ag: AgId) -> u64 {
+        self.used_at.get(&ag).copied().unwrap_or(0)
+    }
+
+    /// Of the owned groups, those to give back to other nodes: idle (in `idle`, which the
+    /// caller decides by time), nothing reserved in them (their commit must carry the map
+    /// under our ownership), and some free space (a full group is of no use to anyone).
+    /// The node keeps at least one group, and groups with at least `keep_free` free blocks
+    /// in all when it has them (the idle ones with the most free space first), so that its
+    /// next write needs no claim.
+    pub(crate) fn surplus_groups(&self, idle: &BTreeSet<AgId>, keep_free: u64) -> Vec<AgId> {
+        let mut spare: Vec<(u64, AgId)> = self
+            .owned
+            .iter()
+            .filter(|g| idle.contains(g) && self.reserved_in(**g) == 0)
+            .map(|g| (self.groups[g].free_blocks, *g))
+            .filter(|(free, _)| *free > 0)
+            .collect();
+        let mut kept = self.owned.len() - spare.len();
+        let mut kept_free: u64 = self
+            .owned
+            .iter()
+            .filter(|g| !spare.iter().any(|(_, s)| s == *g))
+            .map(|g| self.groups[g].free_blocks)
+            .sum();
+        // Most free space first: those are kept, the rest given back.
+        spare.sort_unstable_by(|x, y| y.cmp(x));
+        let mut spare = spare.into_iter().peekable();
+        while kept == 0 || kept_free < keep_free {
+            let Some((free, _)) = spare.next() else { break };
+            kept += 1;
+            kept_free += free;
+        }
+        spare.map(|(_, g)| g).collect()
     }
 
     /// Gives a group up (to hand it to another node): refused while any of its blocks are
@@ -502,6 +550,8 @@ impl Allocator {
                 map.assert_ok();
                 let out = vec![Extent::new(start, len)];
                 self.reserve(&out);
+                self.tick += 1;
+                self.used_at.insert(*ag, self.tick);
                 return Ok(out);
             }
         }
@@ -513,10 +563,12 @@ impl Allocator {
         pieces.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.2.cmp(&b.2)));
         let mut out = Vec::new();
         let mut left = len;
+        self.tick += 1;
         for (l, ag, s) in pieces {
             let take = l.min(left);
             let map = self.groups.get_mut(&ag).expect("owned groups are loaded");
             map.take(s, take);
+            self.used_at.insert(ag, self.tick);
             out.push(Extent::new(s, take));
             left -= take;
             if left == 0 {
@@ -806,6 +858,46 @@ mod tests {
         let mut a = Allocator::fresh(geo());
         a.set_owned(ags.iter().map(|&i| AgId(i)).collect()).unwrap();
         a
+    }
+
+    /// Idle give-back: only idle groups with free space and nothing reserved go, and the
+    /// node keeps one group and `keep_free` blocks (the idle groups with most space first).
+    #[test]
+    fn surplus_groups_keep_one_and_never_a_reserved_one() {
+        let mut a = owning(&[0, 1, 2, 3]);
+        let all: BTreeSet<AgId> = [0, 1, 2, 3].into_iter().map(AgId).collect();
+        let free = |a: &Allocator, g: u32| a.group(AgId(g)).unwrap().free_blocks();
+        // All idle and empty: one kept (64 blocks is enough), three go.
+        let give = a.surplus_groups(&all, 64);
+        assert_eq!(give.len(), 3, "{give:?}");
+        let kept = all.iter().find(|g| !give.contains(g)).unwrap();
+        assert_eq!(free(&a, kept.0), 64, "the kept one has the most free space");
+        // Nothing to keep by space: still one group kept.
+        assert_eq!(a.surplus_groups(&all, 0).len(), 3);
+        // More space wanted than one group holds: two kept.
+        assert_eq!(a.surplus_groups(&all, 100).len(), 2);
+        // Not idle: never given back.
+        let some: BTreeSet<AgId> = [AgId(1), AgId(2)].into();
+        let mut give = a.surplus_groups(&some, 0);
+        give.sort_unstable();
+        assert_eq!(give, vec![AgId(1), AgId(2)], "0 and 3 are busy and kept");
+        // A reserved block (a write not yet committed) keeps its group.
+        let before = a.last_use(AgId(2));
+        let got = a.alloc(3, Some(BlockNo(geo().ag_extent(AgId(2)).unwrap().start.0)));
+        let got = got.unwrap();
+        assert!(
+            a.last_use(AgId(2)) > before,
+            "an allocation stamps its group"
+        );
+        assert!(!a.surplus_groups(&all, 0).contains(&AgId(2)));
+        // Committed: it may go again; a full group never does.
+        a.publish(&got);
+        assert!(a.surplus_groups(&all, 0).contains(&AgId(2)));
+        let span0 = geo().ag_extent(AgId(0)).unwrap();
+        a.alloc(span0.len, Some(span0.start)).unwrap();
+        a.publish(&[span0]);
+        assert_eq!(free(&a, 0), 0);
+        assert!(!a.surplus_groups(&all, 0).contains(&AgId(0)));
     }
 
     #[test]

@@ -71,6 +71,11 @@ const FOLDED_KEEP: Duration = Duration::from_secs(60);
 const FOLDED_MAX: usize = 65536;
 /// Orphans looked at per open-record read.
 const ORPHANS_PER_READ: usize = 64;
+/// Pages of [`ORPHAN_RECLAIM_BATCH`] orphan records one scan reads before it leaves the
+/// rest to the next housekeeping pass (4096 orphans: a few seconds of reclaims).
+const ORPHAN_PAGES_PER_PASS: usize = 16;
+/// Corrupt orphan records remembered as logged (each is logged once, not at every scan).
+const CORRUPT_LOGGED_MAX: usize = 1024;
 /// How long a node keeps the open record of a file it closed: an open again within it
 /// costs no commit (open+close of one file in a loop paid two commits a round). A file
 /// unlinked meanwhile is reclaimed when the record goes, that much later. Unit tests
@@ -103,6 +108,10 @@ pub(crate) struct Held {
     folded: Mutex<VecDeque<(Extent, Instant)>>,
     /// Released records of this node's groups seen at the last look: offset → revision.
     seen: Mutex<HashMap<u64, i64>>,
+    /// Where the orphan scan resumes: after this key (None: from the first record).
+    orphan_cursor: Mutex<Option<Vec<u8>>>,
+    /// Corrupt orphan records already logged (see [`CORRUPT_LOGGED_MAX`]).
+    corrupt_logged: Mutex<HashSet<String>>,
 }
 
 /// Where the stripes' last-close counts stood before a create (see [`Held::adopt`]).
@@ -116,6 +125,8 @@ impl Default for Held {
             idle: AtomicUsize::new(0),
             folded: Mutex::default(),
             seen: Mutex::default(),
+            orphan_cursor: Mutex::default(),
+            corrupt_logged: Mutex::default(),
         }
     }
 }
@@ -167,8 +178,22 @@ impl Held {
         }
     }
 
+    /// Logs a corrupt orphan record the first time the scan meets it; it is skipped (the
+    /// operator must look at it: which inode it names is not to be trusted).
+    fn corrupt_orphan(&self, e: &MetaError) {
+        let msg = e.to_string();
+        let mut logged = lock(&self.corrupt_logged);
+        if logged.contains(&msg) {
+            return;
+        }
+        log::error!("{msg}; orphan record skipped");
+        if logged.len() < CORRUPT_LOGGED_MAX {
+            logged.insert(msg);
+        }
+    }
+
     /// Remembers a range folded from a released record.
-    fn note_folded(&self, e: Extent) {
+    pub(super) fn note_folded(&self, e: Extent) {
         let mut f = lock(&self.folded);
         let now = Instant::now();
         while f
@@ -304,45 +329,67 @@ impl Inner {
     }
 
     /// Reclaims orphans that no node has open (their holders closed them while a reclaim
-    /// failed, or died; their unlinker died part-way through).
-    pub(super) fn reclaim_unheld_orphans(&self) -> Result<(), MetaError> {
-        let unheld = run_read(&self.meta, |kv, keys| {
-            Box::pin(async move {
-                let all = meta::reader::orphans(&*kv, &keys, ORPHAN_RECLAIM_BATCH).await?;
-                let mut out = Vec::new();
-                for chunk in all.chunks(ORPHANS_PER_READ) {
-                    let txn = meta::kv::Txn {
-                        success: chunk
-                            .iter()
-                            .map(|o| {
-                                let r = keys.holders(o.ino);
-                                meta::kv::TxnOp::Range(
-                                    RangeRequest::range(r.start, r.end).limit(1).keys_only(),
-                                )
-                            })
-                            .collect(),
-                        ..Default::default()
-                    };
-                    let resp = kv.txn(txn).await?;
-                    for (o, r) in chunk.iter().zip(resp.responses) {
-                        if let meta::kv::TxnOpResponse::Range(rr) = r {
-                            if rr.kvs.is_empty() {
-                                out.push(*o);
+    /// failed, or died; their unlinker died part-way through). Reads the orphan records in
+    /// pages of [`ORPHAN_RECLAIM_BATCH`], at most [`ORPHAN_PAGES_PER_PASS`] of them, and
+    /// resumes after the last key read at the next pass, from the first again once it has
+    /// seen them all: every orphan is looked at, whatever their number, and one pass never
+    /// holds the housekeeping thread for long. A record that does not decode is logged
+    /// (once, by its key) and skipped. True when this pass reached the last record.
+    pub(super) fn reclaim_unheld_orphans(&self) -> Result<bool, MetaError> {
+        for _ in 0..ORPHAN_PAGES_PER_PASS {
+            let after = lock(&self.held.orphan_cursor).clone();
+            let (unheld, corrupt, next) = run_read(&self.meta, move |kv, keys| {
+                Box::pin(async move {
+                    let page = meta::reader::orphans_page(
+                        &*kv,
+                        &keys,
+                        after.as_deref(),
+                        ORPHAN_RECLAIM_BATCH,
+                    )
+                    .await?;
+                    let mut out = Vec::new();
+                    for chunk in page.orphans.chunks(ORPHANS_PER_READ) {
+                        let txn = meta::kv::Txn {
+                            success: chunk
+                                .iter()
+                                .map(|o| {
+                                    let r = keys.holders(o.ino);
+                                    meta::kv::TxnOp::Range(
+                                        RangeRequest::range(r.start, r.end).limit(1).keys_only(),
+                                    )
+                                })
+                                .collect(),
+                            ..Default::default()
+                        };
+                        let resp = kv.txn(txn).await?;
+                        for (o, r) in chunk.iter().zip(resp.responses) {
+                            if let meta::kv::TxnOpResponse::Range(rr) = r {
+                                if rr.kvs.is_empty() {
+                                    out.push(*o);
+                                }
                             }
                         }
                     }
-                }
-                Ok(out)
-            })
-        })?;
-        for o in unheld {
-            log::info!(
-                "reclaiming inode {}: unlinked, and no node has it open any more",
-                o.ino
-            );
-            self.reclaim_orphan(o.ino);
+                    Ok((out, page.corrupt, page.next))
+                })
+            })?;
+            for e in corrupt {
+                self.held.corrupt_orphan(&e);
+            }
+            for o in unheld {
+                log::info!(
+                    "reclaiming inode {}: unlinked, and no node has it open any more",
+                    o.ino
+                );
+                self.reclaim_orphan(o.ino);
+            }
+            let done = next.is_none();
+            *lock(&self.held.orphan_cursor) = next;
+            if done {
+                return Ok(true);
+            }
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Folds released records (`R`) in this node's groups that other nodes wrote (their
@@ -442,7 +489,10 @@ impl Inner {
     }
 
     /// Released records in the device byte spans: offset → (revision, length).
-    fn read_released(&self, spans: &[(u64, u64)]) -> Result<HashMap<u64, (i64, u64)>, MetaError> {
+    pub(super) fn read_released(
+        &self,
+        spans: &[(u64, u64)],
+    ) -> Result<HashMap<u64, (i64, u64)>, MetaError> {
         let spans = spans.to_vec();
         let kvs = run_read(&self.meta, move |kv, keys| {
             Box::pin(async move {

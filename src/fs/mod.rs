@@ -63,6 +63,8 @@ mod resize;
 mod rw;
 mod space;
 #[cfg(test)]
+mod space_tests;
+#[cfg(test)]
 mod tests;
 mod watch;
 mod xattr;
@@ -143,8 +145,8 @@ const XATTR_LIST_NAMES_MAX: usize = 4096;
 const ORPHAN_RECLAIM_BATCH: usize = 256;
 /// Groups claimed at mount; more are claimed when these run out.
 const GROUPS_CLAIM_INITIAL: usize = 2;
-/// Released records (`R`) of one group applied when it is loaded; more stay for a later
-/// load (their blocks unused meanwhile, never handed out twice).
+/// Released records (`R`) of this node's groups one look of the fold reads per group (it
+/// looks every second; a group being loaded reads all of its records, in pages).
 const RELEASED_LOAD_MAX: i64 = 4096;
 /// Released records deleted by one free-map write (well inside a transaction's ops).
 const RELEASED_PER_FOLD: usize = 96;
@@ -174,6 +176,12 @@ const SPACE_WAIT_MAX: Duration = Duration::from_secs(15);
 const SPACE_POLL: Duration = Duration::from_millis(100);
 /// How often a waiting allocation checks the device's free space and renews its request.
 const SPACE_ASK_EVERY: Duration = Duration::from_secs(1);
+/// A group not allocated from for this long goes back when its node has enough space
+/// without it: much longer than write-behind (1 s) and a pause between a writer's
+/// bursts, so a writer keeps its groups (and its files stay contiguous) and does not pay
+/// a claim per burst; short enough that a node done writing returns its space within a
+/// minute, for other nodes to claim without asking it (an ask costs them a second).
+const GROUP_IDLE_GIVE_BACK: Duration = Duration::from_secs(30);
 /// Largest file size (as ext4 with 4 KiB blocks: 16 TiB).
 const FILE_SIZE_MAX: u64 = 16 << 40;
 /// The statfs inode count: inode numbers are 64-bit and never reused; report 2^32.
@@ -485,6 +493,8 @@ pub(crate) struct Inner {
     claiming: Mutex<()>,
     /// Another node asked for space (its `W` record): housekeeping hands groups back.
     space_wanted: AtomicBool,
+    /// How long each owned group has gone unused (idle groups go back: `space.rs`).
+    idle_groups: Mutex<space::IdleGroups>,
     files: Files,
     /// Cluster cache locks of regular files (`locks.rs`).
     locks: locks::LockTable,
@@ -621,6 +631,7 @@ impl EtcFs {
             alloc: Mutex::new(Allocator::new(geometry)),
             claiming: Mutex::new(()),
             space_wanted: AtomicBool::new(false),
+            idle_groups: Mutex::default(),
             files: Files::default(),
             locks: locks::LockTable::new(cache_locks, fence, opts.lock_min_hold),
             held: held::Held::default(),
@@ -722,6 +733,7 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
         if let Err(e) = i.reclaim_dead_orphans() {
             log::warn!("reclaiming orphans of dead nodes: {e}");
         }
+        i.give_back_idle_groups(GROUP_IDLE_GIVE_BACK);
         i.trim_locks();
     }
 }
@@ -1052,6 +1064,7 @@ impl Inner {
                 log::error!("metadata flush at unmount: {e}");
             }
         }
+        self.fold_before_leaving();
         // Orphans still open here stay in etcd with our session; once the session is
         // closed they are dead and the next mount (of any node) reclaims them.
         let session = lock(&self.session).take();

@@ -189,6 +189,22 @@ impl Inner {
         let from = block_off.min(eof_block);
         let extents = self.extents_for(&mut f, ino, from, block_end - from)?;
         let plan = dplan::plan_write(&extents, size, off, len).map_err(|e| errno::plan(&e))?;
+        // Short of space in our groups with writes of this file pending: commit them and
+        // start again. Their reserved blocks would keep the group they lie in (where our
+        // last free space is) from being handed over while we wait for other nodes to
+        // hand us one, and with every node waiting so, nobody could (`space.rs`).
+        let holes: u64 = plan.holes().map(|(_, l)| l).sum();
+        if holes > 0 && f.pending.is_some() && !self.owns_free_blocks(holes / BLOCK_SIZE) {
+            match self.commit_pending_locked(&st, &mut f) {
+                Ok(outs) => {
+                    drop(f);
+                    outs.iter().for_each(|o| self.after_commit_unlocked(o));
+                    return self.write(ino, off, data, kill_suid, append);
+                }
+                // Kept for its next trigger; this write goes on as it would have.
+                Err(e) => log::warn!("committing writes behind of inode {ino} early: {e}"),
+            }
+        }
 
         // Allocate the holes (in the groups this node owns; claim more when they run out).
         // Next to the extent before the write: an append continues its file's extent (the

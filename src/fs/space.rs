@@ -1,7 +1,9 @@
 //! Space: the groups this node owns and their free maps (claims, hand-backs to other
-//! nodes, dead local sessions), blocks handed out and given back, frees returned to their
-//! groups, and orphans of dead nodes. The allocator itself is pure (`crate::data::alloc`);
-//! this is where it meets etcd.
+//! nodes when they ask or when a group has been idle, dead local sessions), blocks handed
+//! out and given back, frees returned to their groups, and what dead nodes leave: orphans
+//! and released records in groups nobody owns. The allocator itself is pure
+//! (`crate::data::alloc`); this is where it meets etcd. ARCHITECTURE.md ("Space between
+//! nodes") says what ENOSPC means and its bound.
 //!
 //! Invariants (ARCHITECTURE.md has the reasons): a group's map is loaded only when the
 //! group is not owned, and claims and hand-backs run one at a time (`Inner::claiming`); a
@@ -9,6 +11,83 @@
 //! and only that commit publishes it as used in etcd's map.
 
 use super::*;
+
+/// Released records (`R`) read per page when a group is loaded.
+#[cfg(not(test))]
+const RELEASED_LOAD_PAGE: i64 = 4096;
+/// Small in unit tests, so that their groups' records take several pages.
+#[cfg(test)]
+const RELEASED_LOAD_PAGE: i64 = 8;
+
+/// Every released record (`R`) starting in device bytes `[from, to)`, read in pages of
+/// [`RELEASED_LOAD_PAGE`]. Ranges in one group never overlap, so a group has at most as
+/// many records as blocks.
+async fn released_records(
+    kv: &dyn meta::kv::KvBackend,
+    keys: &meta::keys::Keyspace,
+    from: u64,
+    to: u64,
+) -> Result<Vec<meta::kv::KeyValue>, MetaError> {
+    let rr = keys.released_between(from, to);
+    let mut start = rr.start;
+    let mut records = Vec::new();
+    loop {
+        let req = RangeRequest::range(start, rr.end.clone()).limit(RELEASED_LOAD_PAGE);
+        let page = kv.range(req).await?;
+        let next = page.kvs.last().map(|kv| {
+            let mut k = kv.key.clone();
+            k.push(0);
+            k
+        });
+        records.extend(page.kvs);
+        match next {
+            Some(k) if page.more => start = k,
+            _ => return Ok(records),
+        }
+    }
+}
+
+/// Groups with released records and no owner claimed per housekeeping pass.
+const ADOPT_PER_PASS: usize = 4;
+
+/// When this node last saw each of its groups' allocation stamps change
+/// (`Allocator::last_use`): how long a group has been idle.
+#[derive(Default)]
+pub(crate) struct IdleGroups {
+    seen: HashMap<AgId, (u64, std::time::Instant)>,
+}
+
+impl IdleGroups {
+    /// The owned groups whose stamp has not changed for `idle_for` and that have nothing
+    /// reserved; a group seen for the first time counts as used now.
+    fn idle(
+        &mut self,
+        a: &Allocator,
+        now: std::time::Instant,
+        idle_for: std::time::Duration,
+    ) -> BTreeSet<AgId> {
+        self.seen.retain(|g, _| a.owned().contains(g));
+        let mut out = BTreeSet::new();
+        for &g in a.owned() {
+            let stamp = a.last_use(g);
+            let since = match self.seen.get(&g) {
+                Some(&(s, t)) if s == stamp && a.reserved_in(g) == 0 => t,
+                _ => {
+                    self.seen.insert(g, (stamp, now));
+                    now
+                }
+            };
+            if now.duration_since(since) >= idle_for && a.reserved_in(g) == 0 {
+                out.insert(g);
+            }
+        }
+        out
+    }
+
+    fn forget(&mut self, g: AgId) {
+        self.seen.remove(&g);
+    }
+}
 
 impl Inner {
     /// Returns freed device ranges to the allocator and persists the free maps of the
@@ -240,15 +319,16 @@ impl Inner {
             return Ok(false);
         };
         let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
+        // Every released record of the group, in pages: one left out would be older than
+        // the map written below and dropped unapplied by the next load (leaked). Ranges in
+        // one group never overlap, so there are at most as many as the group has blocks.
         let (raw, records) = run_read(&self.meta, move |kv, keys| {
             Box::pin(async move {
                 let key = keys.free_map(GroupId(g));
                 let r = kv.range(RangeRequest::key(key)).await?;
                 let map = r.kvs.into_iter().next();
-                let rr = keys.released_between(from, to);
-                let req = RangeRequest::range(rr.start, rr.end).limit(RELEASED_LOAD_MAX);
-                let rel = kv.range(req).await?;
-                Ok((map, rel.kvs))
+                let records = released_records(&*kv, &keys, from, to).await?;
+                Ok((map, records))
             })
         })?;
         // Released records written after the map are frees it cannot include (and their
@@ -265,13 +345,15 @@ impl Inner {
             let Some(meta::keys::KeyKind::Released(off)) = keys.parse(&kv.key) else {
                 continue;
             };
-            fold.push(off);
             match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value) {
                 Ok(r) if kv.mod_revision > map_rev => {
                     apply.push(Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE));
+                    fold.push(off);
                 }
-                Ok(_) => {}
-                Err(e) => log::error!("{e}; left as it is"),
+                Ok(_) => fold.push(off),
+                // Its length is unknown: the range stays used (leaked), the record stays
+                // for an operator, and the load goes on.
+                Err(e) => log::error!("{e}; released record skipped, left as it is"),
             }
         }
         let map = match raw {
@@ -321,9 +403,52 @@ impl Inner {
     }
 
     /// Orphans are kept by open records, which vanish with their node's lease: those no
-    /// node holds any more are reclaimed (`held.rs`).
+    /// node holds any more are reclaimed (`held.rs`), a bounded number of pages per call
+    /// (the next call resumes where this one stopped).
     pub(super) fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
-        self.reclaim_unheld_orphans()
+        self.adopt_released_groups()?;
+        self.reclaim_unheld_orphans().map(|_| ())
+    }
+
+    /// Claims groups nobody owns that have released records (`R`): their owner died (or
+    /// gave them back) before folding frees other nodes made in them. Loading a group
+    /// applies its records, so the space is free in its map and statfs counts it, instead
+    /// of staying used until some node happens to claim the group for space. At most
+    /// [`ADOPT_PER_PASS`] groups a pass; the claimed groups go back when idle.
+    fn adopt_released_groups(&self) -> Result<(), MetaError> {
+        let (records, owners) = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move {
+                let r = keys.released_between(0, u64::MAX);
+                let req = RangeRequest::range(r.start, r.end)
+                    .limit(RELEASED_LOAD_MAX)
+                    .keys_only();
+                let records = kv.range(req).await?.kvs;
+                let owners = meta::session::group_owners(&*kv, &keys).await?;
+                Ok((records, owners))
+            })
+        })?;
+        if records.is_empty() {
+            return Ok(());
+        }
+        let owned: BTreeSet<u32> = owners.into_iter().map(|(g, _)| g.0).collect();
+        let keys = self.meta.keys();
+        let orphaned: BTreeSet<u32> = records
+            .iter()
+            .filter_map(|kv| match keys.parse(&kv.key) {
+                Some(meta::keys::KeyKind::Released(off)) => {
+                    self.geometry.ag_of(BlockNo(off / BLOCK_SIZE))
+                }
+                _ => None,
+            })
+            .map(|g| g.0)
+            .filter(|g| !owned.contains(g))
+            .collect();
+        for g in orphaned.into_iter().take(ADOPT_PER_PASS) {
+            if self.try_claim(g)? {
+                log::info!("claimed group {g}: nobody owned it, and it had frees to apply");
+            }
+        }
+        Ok(())
     }
 
     /// Free blocks of the groups this node owns (tests).
@@ -355,6 +480,14 @@ impl Inner {
                 Ok(p) => break Ok(p),
                 Err(e) => break Err(errno::alloc(&e)),
             };
+            // Another node asked for space while this one waits: hand groups over from
+            // here. Housekeeping, which does it otherwise, may be stuck behind this very
+            // write (its age trigger waits for the file's lock), and with every node waiting
+            // so, none handed anything over and all got ENOSPC after SPACE_WAIT_MAX with
+            // the device not full (found by tests/recovery.rs, three nodes filling it).
+            if asked.is_some() && self.space_wanted.swap(false, Ordering::AcqRel) {
+                self.hand_back_groups();
+            }
             let need = (wanted - free.min(wanted)).div_ceil(self.geometry.ag_blocks);
             match self.claim_groups(need.max(1) as usize) {
                 Ok(n) if n > 0 => continue,
@@ -401,6 +534,11 @@ impl Inner {
             }
         }
         r
+    }
+
+    /// Whether this node's groups hold `blocks` free blocks now (no claim, no wait).
+    pub(super) fn owns_free_blocks(&self, blocks: u64) -> bool {
+        lock(&self.alloc).free_blocks_owned() >= blocks
     }
 
     /// Runs a session call on the pipeline's runtime.
@@ -467,9 +605,13 @@ impl Inner {
     }
 
     /// Another node is out of space: hand back up to half the groups this node owns (the
-    /// emptiest first), never one holding blocks of writes not yet committed, and always
-    /// keeping one. Each goes with its final map (fenced on our ownership, so the next
-    /// owner loads exactly what we last allocated), then its ownership record is deleted.
+    /// emptiest first), and at least one when there is one to give, even the last: the
+    /// asker asks again every second while it waits, so every group with free space
+    /// reaches it in turn, and ENOSPC means the device is full, not that the free space is
+    /// scattered over the last groups of several nodes. Never a group holding blocks of
+    /// writes not yet committed (those are about to be used anyway). Each goes with its
+    /// final map (fenced on our ownership, so the next owner loads exactly what we last
+    /// allocated), then its ownership record is deleted.
     pub(super) fn hand_back_groups(&self) {
         // No claim runs meanwhile: one of a group being handed back (a free landing in it
         // claims it again) would be answered "yours" and could load its map from etcd
@@ -486,31 +628,188 @@ impl Inner {
                 .collect();
             owned.sort_unstable_by(|x, y| y.cmp(x));
             let keep = a.owned().len().div_ceil(2).max(1);
-            let give = a.owned().len().saturating_sub(keep);
+            let give = a.owned().len().saturating_sub(keep).max(1);
             owned.into_iter().take(give).map(|(_, g)| g).collect()
         };
         for g in candidates {
-            let ticket = {
-                let mut a = lock(&self.alloc);
-                if a.disown(g).is_err() {
+            if self.give_group_back(g) {
+                log::info!("handed group {} back for another node", g.0);
+            }
+        }
+    }
+
+    /// Gives back the groups this node has not allocated from for `idle_for` (see
+    /// [`GROUP_IDLE_GIVE_BACK`]) when it has more than it needs: it keeps at least one, and
+    /// a group's worth of free space when it has that much (`Allocator::surplus_groups`).
+    /// A group with reserved blocks is never idle (its write has not committed).
+    pub(super) fn give_back_idle_groups(&self, idle_for: std::time::Duration) {
+        let _one = lock(&self.claiming);
+        let surplus = {
+            let a = lock(&self.alloc);
+            let idle = lock(&self.idle_groups).idle(&a, std::time::Instant::now(), idle_for);
+            a.surplus_groups(&idle, self.geometry.ag_blocks)
+        };
+        for g in surplus {
+            if self.give_group_back(g) {
+                log::info!(
+                    "gave back group {}: unused for {} s, and this node has enough space without it",
+                    g.0,
+                    idle_for.as_secs()
+                );
+            }
+        }
+    }
+
+    /// At unmount: hands back, with their final maps, the groups that have released
+    /// records other nodes wrote and this node has not folded yet. The session's end
+    /// frees every group anyway, but a record older than the group's last map write (any
+    /// allocation here writes it) would be dropped unapplied by the next owner: leaked.
+    pub(super) fn fold_before_leaving(&self) {
+        // One paged read of every record (they are few: each lives for seconds).
+        let records = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { released_records(&*kv, &keys, 0, u64::MAX).await })
+        });
+        let records = match records {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("reading released records at unmount: {e}");
+                return;
+            }
+        };
+        let keys = self.meta.keys();
+        let with_records: BTreeSet<AgId> = records
+            .iter()
+            .filter_map(|kv| match keys.parse(&kv.key) {
+                Some(meta::keys::KeyKind::Released(off)) => {
+                    self.geometry.ag_of(BlockNo(off / BLOCK_SIZE))
+                }
+                _ => None,
+            })
+            .collect();
+        let _one = lock(&self.claiming);
+        let mine: Vec<AgId> = {
+            let a = lock(&self.alloc);
+            with_records
+                .into_iter()
+                .filter(|g| a.owned().contains(g))
+                .collect()
+        };
+        for g in mine {
+            if self.give_group_back(g) {
+                log::info!(
+                    "gave back group {} with the frees other nodes made in it",
+                    g.0
+                );
+            }
+        }
+    }
+
+    /// Hands one owned group back (the caller holds `claiming`): stops allocating in it
+    /// (refused if it has reserved blocks), folds the released records other nodes wrote
+    /// in it, commits its final map with their deletes, fenced on our ownership, after
+    /// everything already submitted (a flush: an earlier commit that published blocks of
+    /// it lands first), then deletes its ownership record. A record left behind would be
+    /// older than that map, and the next owner drops such records unapplied (the map may
+    /// include them): its blocks leaked (found by reading try_claim against hand-back).
+    pub(super) fn give_group_back(&self, g: AgId) -> bool {
+        let Some(span) = self.geometry.ag_extent(g) else {
+            return false;
+        };
+        let tickets = {
+            let mut a = lock(&self.alloc);
+            if a.disown(g).is_err() {
+                return false;
+            }
+            // As in `fold_released`: under the allocator lock no free of ours starts; the
+            // flush lands the ones submitted (each with its record) before the read.
+            let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
+            let records = self.meta.flush(None).and_then(|t| t.wait()).and_then(|_| {
+                run_read(&self.meta, move |kv, keys| {
+                    Box::pin(async move { released_records(&*kv, &keys, from, to).await })
+                })
+            });
+            let records = match records {
+                Ok(r) => r,
+                Err(e) => {
+                    log::warn!(
+                        "handing back group {}: reading its released records: {e}",
+                        g.0
+                    );
+                    let _ = a.own(g);
+                    return false;
+                }
+            };
+            let keys = self.meta.keys();
+            let mut folded = Vec::new();
+            for kv in &records {
+                let Some(meta::keys::KeyKind::Released(off)) = keys.parse(&kv.key) else {
+                    continue;
+                };
+                let len =
+                    match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value)
+                    {
+                        Ok(r) => r.len,
+                        Err(e) => {
+                            log::error!("{e}; released record skipped, left as it is");
+                            continue;
+                        }
+                    };
+                let ext = Extent::new(off / BLOCK_SIZE, len / BLOCK_SIZE);
+                if ext.len == 0 || ext.end() > span.end() {
+                    log::error!("released record at {off} is not inside group {}", g.0);
                     continue;
                 }
-                let maps = encode_maps(&a, &BTreeSet::from([g]));
-                self.meta.submit_blocking(Mutation::FreeMaps {
-                    maps,
-                    released: Vec::new(),
-                })
-            };
-            if let Err(e) = ticket.and_then(|t| t.wait()) {
-                log::warn!("handing back group {}: writing its map: {e}", g.0);
-                let _ = lock(&self.alloc).own(g);
-                continue;
+                match a.free(ext) {
+                    Ok(_) => {
+                        self.held.note_folded(ext);
+                        folded.push(off);
+                    }
+                    Err(AllocError::DoubleFree { .. }) => folded.push(off),
+                    Err(e) => log::error!("folding released {ext}: {e}"),
+                }
             }
-            let gid = GroupId(g.0);
-            match self.with_session(move |s| Box::pin(async move { s.release_group(gid).await })) {
-                Ok(true) => log::info!("handed group {} back for another node", g.0),
-                Ok(false) => log::warn!("group {} was no longer ours to hand back", g.0),
-                Err(e) => log::warn!("handing back group {}: {e}", g.0),
+            let maps = encode_maps(&a, &BTreeSet::from([g]));
+            let mut chunks: Vec<&[u64]> = folded.chunks(RELEASED_PER_FOLD - 1).collect();
+            if chunks.is_empty() {
+                chunks.push(&[]);
+            }
+            chunks
+                .into_iter()
+                .map(|c| {
+                    self.meta.submit_blocking(Mutation::FreeMaps {
+                        maps: maps.clone(),
+                        released: c.to_vec(),
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut written = Ok(());
+        for t in tickets {
+            if let Err(e) = t.and_then(|t| t.wait()) {
+                written = Err(e);
+            }
+        }
+        let written = written
+            .and_then(|()| self.meta.flush(None))
+            .and_then(|t| t.wait());
+        if let Err(e) = written {
+            log::warn!("handing back group {}: writing its map: {e}", g.0);
+            let _ = lock(&self.alloc).own(g);
+            return false;
+        }
+        let gid = GroupId(g.0);
+        match self.with_session(move |s| Box::pin(async move { s.release_group(gid).await })) {
+            Ok(true) => {
+                lock(&self.idle_groups).forget(g);
+                true
+            }
+            Ok(false) => {
+                log::warn!("group {} was no longer ours to hand back", g.0);
+                false
+            }
+            Err(e) => {
+                log::warn!("handing back group {}: {e}", g.0);
+                false
             }
         }
     }

@@ -21,19 +21,19 @@ use meta::{
 use super::{connect_backend, mkfs_on, pipeline_config, CacheOpts, Dev, EtcFs};
 use crate::data::{device::mem::MemDev, BLOCK_SIZE};
 
-const ROOT: u64 = FUSE_ROOT_ID;
+pub(super) const ROOT: u64 = FUSE_ROOT_ID;
 /// 16 MiB device with 64-block (256 KiB) groups: 59 groups, 2 claimed at mount, more on
 /// demand.
 const DEV_BYTES: u64 = 16 << 20;
-const AG_BLOCKS: u64 = 64;
+pub(super) const AG_BLOCKS: u64 = 64;
 
 fn parse<T: FromBytes>(b: &[u8]) -> T {
     T::read_from_prefix(b).expect("reply too short").0
 }
 
-struct Fx {
-    fs: EtcFs,
-    kv: Arc<MemEtcd>,
+pub(super) struct Fx {
+    pub(super) fs: EtcFs,
+    pub(super) kv: Arc<MemEtcd>,
     dev: MemDev,
     out: Vec<u8>,
     unique: u64,
@@ -87,7 +87,7 @@ fn mount_with(kv: &Arc<MemEtcd>, dev: &MemDev, opts: &CacheOpts) -> EtcFs {
 }
 
 impl Fx {
-    fn new() -> Fx {
+    pub(super) fn new() -> Fx {
         let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
         let dev = MemDev::new(DEV_BYTES);
         format(&kv, &dev, false).unwrap();
@@ -303,7 +303,7 @@ fn same(got: &[u8], want: &[u8]) {
     assert_eq!(got.len(), want.len(), "lengths differ");
 }
 
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
+pub(super) fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| seed.wrapping_add((i % 251) as u8))
         .collect()
@@ -1151,7 +1151,7 @@ fn a_free_across_two_groups_returns_both_parts() {
 }
 
 /// A second mount (its own session) of the filesystem `fx` serves.
-fn second_mount(fx: &Fx) -> Fx {
+pub(super) fn second_mount(fx: &Fx) -> Fx {
     Fx {
         fs: mount(&fx.kv, &fx.dev),
         kv: fx.kv.clone(),
@@ -1360,7 +1360,7 @@ fn own_commits_tell_the_kernel_nothing_other_nodes_commits_do() {
 }
 
 /// Polls `f` for up to `limit`.
-fn within(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+pub(super) fn within(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     let t0 = std::time::Instant::now();
     while t0.elapsed() < limit {
         if f() {
@@ -1893,7 +1893,7 @@ fn a_refused_namespace_change_makes_cached_names_stale() {
 }
 
 /// Keys of the model between two tag bytes (`t/<from>` up to `t/<to>`).
-fn keys_of(fx: &Fx, from: &[u8], to: &[u8]) -> usize {
+pub(super) fn keys_of(fx: &Fx, from: &[u8], to: &[u8]) -> usize {
     fx.kv.dump(from, to).len()
 }
 
