@@ -45,6 +45,8 @@ const PAGE_KEYS: i64 = 4096;
 const PAGE_MAP_BYTES: u64 = 2 << 20;
 /// Largest value etcd stores by default: the most one free map can take.
 const ETCD_VALUE_BYTES_MAX: u64 = 1536 * 1024;
+/// Undecodable records named in the report; more are counted.
+const CORRUPT_SHOWN_MAX: usize = 20;
 /// Orphan records remembered one by one (to tell which are still open); more are counted.
 const ORPHANS_TRACKED_MAX: usize = 65_536;
 /// A node whose lease has less than this part of its TTL left is near its deadline.
@@ -87,9 +89,26 @@ pub(crate) struct Snapshot {
     pub(crate) orphans_open: BTreeSet<Ino>,
     /// `R` keys: group (`None`: outside every group) → (records, blocks).
     pub(crate) released: BTreeMap<Option<u32>, (u64, u64)>,
-    /// Keys whose value did not decode: the key and why.
-    pub(crate) corrupt: Vec<String>,
+    /// Keys whose value did not decode: the first few (the key and why), and how many.
+    pub(crate) corrupt: Corrupt,
     pub(crate) etcd: EtcdSnap,
+}
+
+/// Records that did not decode.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Corrupt {
+    /// The first [`CORRUPT_SHOWN_MAX`]: the key and why.
+    pub(crate) shown: Vec<String>,
+    pub(crate) total: u64,
+}
+
+impl Corrupt {
+    fn push(&mut self, what: String) {
+        self.total += 1;
+        if self.shown.len() < CORRUPT_SHOWN_MAX {
+            self.shown.push(what);
+        }
+    }
 }
 
 /// One `M` key.
@@ -229,7 +248,7 @@ pub(crate) async fn read_snapshot(
     let fs: SuperRecord = decode_at(keys, &sb_key, &sb.value)?;
     let geo = geometry(&fs)?;
     let rev = r.revision;
-    let mut corrupt = Vec::new();
+    let mut corrupt = Corrupt::default();
 
     let mut members = Vec::new();
     scan(kv, keys.members(), rev, PAGE_KEYS, false, |item| {
@@ -797,8 +816,12 @@ impl Report {
                 "{r} freed range(s) ({b} blocks) lie outside every group"
             ));
         }
-        for c in &s.corrupt {
+        for c in &s.corrupt.shown {
             warnings.push(format!("corrupt record {c}"));
+        }
+        let unnamed = s.corrupt.total - s.corrupt.shown.len() as u64;
+        if unnamed > 0 {
+            warnings.push(format!("{unnamed} more corrupt record(s)"));
         }
 
         // etcd.
@@ -1319,7 +1342,7 @@ mod tests {
             orphans_total: 0,
             orphans_open: BTreeSet::new(),
             released: BTreeMap::new(),
-            corrupt: Vec::new(),
+            corrupt: Corrupt::default(),
             etcd: EtcdSnap {
                 endpoints: vec!["http://127.0.0.1:2379".into()],
                 members: vec![ClusterMember {
@@ -1515,7 +1538,20 @@ mod tests {
         let g = geo();
         let mut s = snapshot();
         s.free_maps.insert(1, map_free_blocks(&g, 1, b"not a map"));
+        for i in 0..25 {
+            s.corrupt.push(format!("etcfs/O {i}: bad"));
+        }
         let r = Report::new(&s, &g);
+        assert_eq!(
+            r.warnings.len(),
+            1 + CORRUPT_SHOWN_MAX + 1,
+            "{:?}",
+            r.warnings
+        );
+        assert_eq!(
+            r.warnings.last().map(String::as_str),
+            Some("5 more corrupt record(s)")
+        );
         assert_eq!(r.filesystem.free_blocks, 3 * 64);
         assert!(
             r.warnings[0].contains("group 1 does not decode"),
