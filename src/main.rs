@@ -10,6 +10,7 @@ mod data;
 mod embedded;
 mod fs;
 mod memfs;
+mod status;
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -40,6 +41,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show a filesystem's space, its nodes (sessions, leases, groups, locks, open files)
+    /// and its etcd cluster, with warnings; read from etcd, so any host can run it.
+    Status {
+        #[command(flatten)]
+        cluster: ClusterArgs,
+        /// Print one JSON object instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// End a node's session at once: revoke its etcd lease, so that its membership,
+    /// groups, locks and open records go and other nodes can take over its files.
+    Evict {
+        #[command(flatten)]
+        cluster: ClusterArgs,
+        /// The node: its name, or its session id as `etcfs status` prints it (needed when
+        /// several nodes have the same name).
+        node: String,
+    },
+}
+
+/// Which filesystem, for the commands that only talk to etcd.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct ClusterArgs {
+    /// etcd endpoints, comma-separated (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub(crate) etcd: Vec<String>,
+    /// Key prefix of the filesystem in etcd.
+    #[arg(long, default_value = "etcfs")]
+    pub(crate) prefix: String,
 }
 
 /// Which FUSE transport serves the mount.
@@ -181,6 +211,10 @@ fn main() -> ExitCode {
         Command::Mkfs(args) => daemon::mkfs(args),
         Command::Mount(args) => daemon::mount(args),
         Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
+        Command::Status { cluster, json } => {
+            status::print_status(&cluster.etcd, &cluster.prefix, json)
+        }
+        Command::Evict { cluster, node } => status::evict(&cluster.etcd, &cluster.prefix, &node),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,7 @@
 //! Versioned binary value codec.
 //!
-//! Every value starts with a format version byte (currently 1 for every record), then
+//! Every value starts with a format version byte (1 for every record but the node record,
+//! whose format 2 added the daemon's version; format 1 node records still decode), then
 //! fixed-width little-endian fields; variable-length tails (names, targets) come last
 //! with an explicit length. Decoding never panics: any short, long or out-of-range value
 //! is a [`CodecError`], which the callers turn into [`MetaError::Corrupt`] naming the key.
@@ -17,8 +18,18 @@ use crate::{
     },
 };
 
-/// The value format version written today.
+/// The value format version written today (by every record but [`NodeRecord`]).
 pub const VERSION: u8 = 1;
+
+/// The format [`NodeRecord`] writes: format 1 plus the daemon's version.
+pub const NODE_FORMAT: u8 = 2;
+
+/// The etcfs release that writes node records: the workspace shares one version, so this
+/// is the daemon's version too.
+pub const DAEMON_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Longest daemon version string a node record holds.
+pub const DAEMON_VERSION_LEN_MAX: usize = 64;
 
 /// Why a value failed to decode or validate.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -51,6 +62,20 @@ pub trait Record: Sized {
     /// Reads the fields (after the version byte).
     fn read(r: &mut Reader<'_>) -> Result<Self, &'static str>;
 
+    /// The format version [`Record::encode`] writes.
+    const FORMAT: u8 = VERSION;
+
+    /// Reads the fields of a value of format `format` (after the version byte). By
+    /// default only [`Record::FORMAT`] is known; a record whose format changed reads its
+    /// older formats here.
+    fn read_format(r: &mut Reader<'_>, format: u8) -> Result<Self, &'static str> {
+        if format == Self::FORMAT {
+            Self::read(r)
+        } else {
+            Err("unsupported format version")
+        }
+    }
+
     /// Encodes the record. Panics if it violates its invariants: callers validate user
     /// input first, so a failure here is a bug, and committing it would be permanent.
     fn encode(&self) -> Vec<u8> {
@@ -62,7 +87,7 @@ pub trait Record: Sized {
             valid
         );
         let mut w = Vec::with_capacity(64);
-        w.push(VERSION);
+        w.push(Self::FORMAT);
         self.write(&mut w);
         w
     }
@@ -74,11 +99,8 @@ pub trait Record: Sized {
             reason,
         };
         let mut r = Reader { buf: bytes };
-        match r.u8().map_err(err)? {
-            VERSION => {}
-            _ => return Err(err("unsupported format version")),
-        }
-        let rec = Self::read(&mut r).map_err(err)?;
+        let format = r.u8().map_err(err)?;
+        let rec = Self::read_format(&mut r, format).map_err(err)?;
         if !r.buf.is_empty() {
             return Err(err("trailing bytes"));
         }
@@ -562,8 +584,11 @@ pub struct NodeRecord {
     pub started: Timespec,
 }
 
+/// Writes [`NODE_FORMAT`] with [`DAEMON_VERSION`]; reads formats 1 and 2 ([`NodeInfo`]
+/// has the version it read).
 impl Record for NodeRecord {
     const WHAT: &'static str = "node";
+    const FORMAT: u8 = NODE_FORMAT;
     fn validate(&self) -> Result<(), &'static str> {
         if self.name.is_empty() || self.name.len() > NAME_LEN_MAX {
             return Err("node name length out of range");
@@ -577,15 +602,69 @@ impl Record for NodeRecord {
         w.extend_from_slice(&self.pid.to_le_bytes());
         put_time(w, self.started);
         put_bytes(w, &self.name);
+        put_bytes(w, DAEMON_VERSION.as_bytes());
     }
     fn read(r: &mut Reader<'_>) -> Result<Self, &'static str> {
+        Self::read_format(r, NODE_FORMAT)
+    }
+    fn read_format(r: &mut Reader<'_>, format: u8) -> Result<Self, &'static str> {
+        Ok(NodeInfo::read_format(r, format)?.record)
+    }
+}
+
+/// A node record with the version of the daemon that wrote it, for `etcfs status`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The record.
+    pub record: NodeRecord,
+    /// The daemon's version (`None` in a format 1 record, which predates it).
+    pub version: Option<String>,
+}
+
+impl Record for NodeInfo {
+    const WHAT: &'static str = "node";
+    const FORMAT: u8 = NODE_FORMAT;
+    fn validate(&self) -> Result<(), &'static str> {
+        self.record.validate()?;
+        match &self.version {
+            Some(v) if v.is_empty() || v.len() > DAEMON_VERSION_LEN_MAX => {
+                Err("daemon version length out of range")
+            }
+            _ => Ok(()),
+        }
+    }
+    /// Always format 2: a record without a version is given this build's.
+    fn write(&self, w: &mut Vec<u8>) {
+        let rec = &self.record;
+        w.extend_from_slice(&rec.pid.to_le_bytes());
+        put_time(w, rec.started);
+        put_bytes(w, &rec.name);
+        put_bytes(
+            w,
+            self.version.as_deref().unwrap_or(DAEMON_VERSION).as_bytes(),
+        );
+    }
+    fn read(r: &mut Reader<'_>) -> Result<Self, &'static str> {
+        Self::read_format(r, NODE_FORMAT)
+    }
+    fn read_format(r: &mut Reader<'_>, format: u8) -> Result<Self, &'static str> {
+        if format != VERSION && format != NODE_FORMAT {
+            return Err("unsupported format version");
+        }
         let pid = r.u32()?;
         let started = r.time()?;
-        Ok(NodeRecord {
+        let record = NodeRecord {
             pid,
             started,
             name: r.bytes(NAME_LEN_MAX)?,
-        })
+        };
+        let version = if format == NODE_FORMAT {
+            let v = r.bytes(DAEMON_VERSION_LEN_MAX)?;
+            Some(String::from_utf8(v).map_err(|_| "daemon version is not UTF-8")?)
+        } else {
+            None
+        };
+        Ok(NodeInfo { record, version })
     }
 }
 
@@ -686,7 +765,7 @@ mod tests {
 
     fn round_trip<R: Record + PartialEq + std::fmt::Debug>(r: R) {
         let bytes = r.encode();
-        assert_eq!(bytes[0], VERSION);
+        assert_eq!(bytes[0], R::FORMAT);
         assert_eq!(R::decode(&bytes).unwrap(), r);
         // Every truncation and every extension must be an error, never a panic.
         for n in 0..bytes.len() {
@@ -699,9 +778,10 @@ mod tests {
         let mut long = bytes.clone();
         long.push(0);
         assert!(R::decode(&long).is_err());
-        let mut v2 = bytes;
-        v2[0] = 2;
-        assert!(R::decode(&v2).is_err());
+        // A format this build never wrote is refused.
+        let mut future = bytes;
+        future[0] = NODE_FORMAT + 1;
+        assert!(R::decode(&future).is_err());
     }
 
     #[test]
@@ -750,6 +830,54 @@ mod tests {
             group_count: 4,
             device_size: 4 << 30,
             created: Timespec::new(1, 0),
+        });
+    }
+
+    #[test]
+    fn node_records_of_both_formats() {
+        // Format 1 (written before the daemon version): pid 7, started 1 s, name "ab".
+        let v1: Vec<u8> = [
+            &[1u8][..],
+            &7u32.to_le_bytes(),
+            &1i64.to_le_bytes(),
+            &0u32.to_le_bytes(),
+            &2u32.to_le_bytes(),
+            b"ab",
+        ]
+        .concat();
+        let rec = NodeRecord {
+            name: b"ab".to_vec(),
+            pid: 7,
+            started: Timespec::new(1, 0),
+        };
+        assert_eq!(NodeRecord::decode(&v1), Ok(rec.clone()));
+        let info = NodeInfo::decode(&v1).expect("format 1 decodes");
+        assert_eq!(info.record, rec);
+        assert_eq!(info.version, None);
+        // Format 2 adds the version after the name.
+        let v2: Vec<u8> = [&[2u8][..], &v1[1..], &5u32.to_le_bytes(), b"0.9.1"].concat();
+        assert_eq!(NodeRecord::decode(&v2), Ok(rec.clone()));
+        let info = NodeInfo::decode(&v2).expect("format 2 decodes");
+        assert_eq!(info.version.as_deref(), Some("0.9.1"));
+        // What the daemon writes today is format 2 with this build's version.
+        let written = rec.encode();
+        assert_eq!(written[0], NODE_FORMAT);
+        assert_eq!(
+            NodeInfo::decode(&written).map(|i| i.version),
+            Ok(Some(DAEMON_VERSION.to_owned()))
+        );
+        // A format 2 body under format 1 has trailing bytes; format 1 under 2 is short;
+        // an unknown format is refused.
+        assert!(NodeRecord::decode(&[&[1u8][..], &v2[1..]].concat()).is_err());
+        assert!(NodeRecord::decode(&[&[2u8][..], &v1[1..]].concat()).is_err());
+        assert!(NodeRecord::decode(&[&[3u8][..], &v2[1..]].concat()).is_err());
+        let mut bad_utf8 = v2.clone();
+        let last = bad_utf8.len() - 1;
+        bad_utf8[last] = 0xff;
+        assert!(NodeInfo::decode(&bad_utf8).is_err());
+        round_trip(NodeInfo {
+            record: rec,
+            version: Some("1.2.3".into()),
         });
     }
 
@@ -805,13 +933,18 @@ mod tests {
             let n = rng.gen_range(0..128);
             let mut b: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
             if rng.gen_bool(0.7) && !b.is_empty() {
-                b[0] = VERSION;
+                b[0] = if rng.gen_bool(0.5) {
+                    VERSION
+                } else {
+                    NODE_FORMAT
+                };
             }
             let _ = InodeAttr::decode(&b);
             let _ = Dentry::decode(&b);
             let _ = SymlinkTarget::decode(&b);
             let _ = XattrValue::decode(&b);
             let _ = NodeRecord::decode(&b);
+            let _ = NodeInfo::decode(&b);
             let _ = SuperRecord::decode(&b);
             let _ = Extent::decode_value(rng.gen(), &b);
             let _ = Owner::decode(&b);

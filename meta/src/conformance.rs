@@ -57,6 +57,7 @@ pub async fn run(kv: &dyn KvBackend, prefix: &[u8]) {
     txn_checks(kv, prefix).await;
     leases(kv, prefix).await;
     watches(kv, prefix).await;
+    operations(kv, prefix).await;
     // Clean up.
     kv.txn(Txn {
         success: vec![TxnOp::delete_range(
@@ -461,6 +462,40 @@ async fn leases(kv: &dyn KvBackend, p: &[u8]) {
         ..Default::default()
     };
     assert_eq!(kv.txn(bogus).await, Err(KvError::LeaseNotFound));
+}
+
+/// The queries behind `etcfs status`: a lease's time to live, the members, the status of
+/// the member that answers, the alarms.
+async fn operations(kv: &dyn KvBackend, p: &[u8]) {
+    let lease = kv.lease_grant(30).await.expect("grant");
+    let ttl = kv.lease_time_to_live(lease.id).await.expect("time to live");
+    assert!(ttl.granted_s >= 30, "{ttl:?}");
+    assert!(
+        ttl.remaining_s > 0 && ttl.remaining_s <= ttl.granted_s,
+        "{ttl:?}"
+    );
+    kv.lease_revoke(lease.id).await.expect("revoke");
+    assert_eq!(
+        kv.lease_time_to_live(lease.id).await,
+        Err(KvError::LeaseNotFound),
+        "a revoked lease has no time to live"
+    );
+    let members = kv.member_list().await.expect("member list");
+    assert!(!members.is_empty());
+    assert!(members.iter().all(|m| m.id != 0), "{members:?}");
+    let written = put(kv, k(p, "status"), b"x").await;
+    let status = kv.status().await.expect("status");
+    assert!(status.revision >= written, "{status:?} after {written}");
+    assert!(
+        members.iter().any(|m| m.id == status.member_id),
+        "the member that answered is listed: {status:?} {members:?}"
+    );
+    assert!(status.leader != 0, "a cluster that answers has a leader");
+    assert!(
+        status.db_size > 0 && status.db_size_in_use > 0 && status.db_size_in_use <= status.db_size,
+        "{status:?}"
+    );
+    kv.alarms().await.expect("alarm list");
 }
 
 async fn watches(kv: &dyn KvBackend, p: &[u8]) {

@@ -7,18 +7,18 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare as EcCompare, CompareOp as EcOp, ConnectOptions, DeleteOptions, EventType,
-    GetOptions, PutOptions, SortOrder, SortTarget, Txn as EcTxn, TxnOp as EcTxnOp,
-    TxnOpResponse as EcResp, WatchOptions,
+    AlarmAction, AlarmType, Client, Compare as EcCompare, CompareOp as EcOp, ConnectOptions,
+    DeleteOptions, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn as EcTxn,
+    TxnOp as EcTxnOp, TxnOpResponse as EcResp, WatchOptions,
 };
 use tokio::sync::mpsc;
 
 use crate::{
     error::KvError,
     kv::{
-        BoxFut, CompareOp, CompareTarget, EventKind, KeyValue, KvBackend, LeaseGrant, RangeRequest,
-        RangeResponse, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchEvent, WatchStream,
-        WATCH_BATCHES_MAX,
+        Alarm, AlarmKind, BoxFut, ClusterMember, ClusterStatus, CompareOp, CompareTarget,
+        EventKind, KeyValue, KvBackend, LeaseGrant, LeaseTtl, RangeRequest, RangeResponse, Txn,
+        TxnOp, TxnOpResponse, TxnResponse, WatchEvent, WatchStream, WATCH_BATCHES_MAX,
     },
 };
 
@@ -355,6 +355,85 @@ impl KvBackend for EtcdBackend {
                 let _ = watcher.cancel().await;
             });
             Ok(rx)
+        })
+    }
+
+    fn lease_time_to_live(&self, id: i64) -> BoxFut<'_, Result<LeaseTtl, KvError>> {
+        Box::pin(async move {
+            let mut l = self.client.lease_client();
+            let r = bounded(
+                self.request_timeout,
+                "lease time-to-live",
+                l.time_to_live(id, None),
+            )
+            .await?;
+            // etcd answers an unknown (expired, revoked) lease with a TTL of -1.
+            if r.ttl() < 0 {
+                return Err(KvError::LeaseNotFound);
+            }
+            Ok(LeaseTtl {
+                remaining_s: r.ttl(),
+                granted_s: r.granted_ttl(),
+            })
+        })
+    }
+
+    fn member_list(&self) -> BoxFut<'_, Result<Vec<ClusterMember>, KvError>> {
+        Box::pin(async move {
+            let mut c = self.client.cluster_client();
+            let r = bounded(self.request_timeout, "member list", c.member_list()).await?;
+            Ok(r.members()
+                .iter()
+                .map(|m| ClusterMember {
+                    id: m.id(),
+                    name: m.name().to_owned(),
+                    client_urls: m.client_urls().to_vec(),
+                    peer_urls: m.peer_urls().to_vec(),
+                    is_learner: m.is_learner(),
+                })
+                .collect())
+        })
+    }
+
+    fn status(&self) -> BoxFut<'_, Result<ClusterStatus, KvError>> {
+        Box::pin(async move {
+            let mut m = self.client.maintenance_client();
+            let r = bounded(self.request_timeout, "status", m.status()).await?;
+            let header = r.header();
+            Ok(ClusterStatus {
+                member_id: header.map_or(0, |h| h.member_id()),
+                leader: r.leader(),
+                version: r.version().to_owned(),
+                db_size: r.db_size(),
+                db_size_in_use: r.raft_used_db_size(),
+                revision: header.map_or(0, |h| h.revision()),
+                raft_term: header.map_or(r.raft_term(), |h| h.raft_term()),
+                errors: r.errors().to_vec(),
+            })
+        })
+    }
+
+    fn alarms(&self) -> BoxFut<'_, Result<Vec<Alarm>, KvError>> {
+        Box::pin(async move {
+            let mut m = self.client.maintenance_client();
+            let r = bounded(
+                self.request_timeout,
+                "alarm list",
+                m.alarm(AlarmAction::Get, AlarmType::None, None),
+            )
+            .await?;
+            Ok(r.alarms()
+                .iter()
+                .map(|a| Alarm {
+                    member_id: a.member_id(),
+                    kind: match a.alarm() {
+                        AlarmType::Nospace => AlarmKind::NoSpace,
+                        AlarmType::Corrupt => AlarmKind::Corrupt,
+                        other => AlarmKind::Other(other as i32),
+                    },
+                })
+                .filter(|a| a.kind != AlarmKind::Other(0))
+                .collect())
         })
     }
 }

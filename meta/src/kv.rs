@@ -407,6 +407,31 @@ pub trait KvBackend: Send + Sync {
         range_end: Vec<u8>,
         start_revision: i64,
     ) -> BoxFut<'_, Result<WatchStream, KvError>>;
+
+    // Operational queries (`etcfs status`, `etcfs evict`), never on the request path. A
+    // backend that cannot answer one says so with an error.
+
+    /// The remaining and granted TTL of a lease; `LeaseNotFound` if it ended.
+    fn lease_time_to_live(&self, id: i64) -> BoxFut<'_, Result<LeaseTtl, KvError>> {
+        let _ = id;
+        unsupported("lease time-to-live")
+    }
+    /// The members of the etcd cluster.
+    fn member_list(&self) -> BoxFut<'_, Result<Vec<ClusterMember>, KvError>> {
+        unsupported("member list")
+    }
+    /// The status of the member that answers: leader, database sizes, revision.
+    fn status(&self) -> BoxFut<'_, Result<ClusterStatus, KvError>> {
+        unsupported("status")
+    }
+    /// The alarms active in the cluster (out of space, corruption).
+    fn alarms(&self) -> BoxFut<'_, Result<Vec<Alarm>, KvError>> {
+        unsupported("alarm list")
+    }
+}
+
+fn unsupported<T: Send + 'static>(what: &'static str) -> BoxFut<'static, Result<T, KvError>> {
+    Box::pin(async move { Err(KvError::Other(format!("{what} is not supported here"))) })
 }
 
 impl std::fmt::Debug for dyn KvBackend {
@@ -466,6 +491,73 @@ pub fn check_txn(txn: &Txn, ops_max: usize) -> Result<(), KvError> {
         }
     }
     Ok(())
+}
+
+/// What [`KvBackend::lease_time_to_live`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseTtl {
+    /// Seconds left before the lease ends unless kept alive (etcd: it ends in under
+    /// `remaining_s + 1` seconds).
+    pub remaining_s: i64,
+    /// The TTL it was granted (and is renewed to by each keepalive).
+    pub granted_s: i64,
+}
+
+/// One member of the etcd cluster.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ClusterMember {
+    /// Member id.
+    pub id: u64,
+    /// Its name (empty while it has not started).
+    pub name: String,
+    /// URLs it serves clients on.
+    pub client_urls: Vec<String>,
+    /// URLs it talks to its peers on.
+    pub peer_urls: Vec<String>,
+    /// A learner (non-voting) member.
+    pub is_learner: bool,
+}
+
+/// The status of the etcd member that answered.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ClusterStatus {
+    /// The id of the member that answered.
+    pub member_id: u64,
+    /// The member it believes is leader (0: none).
+    pub leader: u64,
+    /// Its etcd version.
+    pub version: String,
+    /// Size of its database file, in bytes (what the space quota is checked against).
+    pub db_size: i64,
+    /// Bytes of that file in use (the rest is free pages a defragmentation gives back).
+    pub db_size_in_use: i64,
+    /// The store revision.
+    pub revision: i64,
+    /// The raft term.
+    pub raft_term: u64,
+    /// Errors the member reports (alarms, health).
+    pub errors: Vec<String>,
+}
+
+/// Kind of an etcd alarm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlarmKind {
+    /// The database reached its space quota: etcd refuses writes until it is compacted,
+    /// defragmented and the alarm disarmed.
+    NoSpace,
+    /// A member found its data corrupt.
+    Corrupt,
+    /// An alarm this code does not know (its number).
+    Other(i32),
+}
+
+/// An active alarm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Alarm {
+    /// The member that raised it.
+    pub member_id: u64,
+    /// What it is.
+    pub kind: AlarmKind,
 }
 
 #[cfg(test)]

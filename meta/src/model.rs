@@ -19,9 +19,9 @@ use crate::{
     clock::Clock,
     error::KvError,
     kv::{
-        check_txn, in_range, BoxFut, EventKind, KeyValue, KvBackend, LeaseGrant, RangeRequest,
-        RangeResponse, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchEvent, WatchStream,
-        ETCD_TXN_OPS_MAX, WATCH_BATCHES_MAX,
+        check_txn, in_range, Alarm, BoxFut, ClusterMember, ClusterStatus, EventKind, KeyValue,
+        KvBackend, LeaseGrant, LeaseTtl, RangeRequest, RangeResponse, Txn, TxnOp, TxnOpResponse,
+        TxnResponse, WatchEvent, WatchStream, ETCD_TXN_OPS_MAX, WATCH_BATCHES_MAX,
     },
 };
 
@@ -82,6 +82,8 @@ struct State {
     rng: u64,
     txns: u64,
     ranges: u64,
+    /// Alarms [`KvBackend::alarms`] reports (set by tests).
+    alarms: Vec<Alarm>,
 }
 
 /// The in-memory etcd model.
@@ -114,6 +116,7 @@ impl MemEtcd {
                 rng: 0x9e37_79b9_7f4a_7c15,
                 txns: 0,
                 ranges: 0,
+                alarms: Vec::new(),
             }),
             clock,
             ops_max: ETCD_TXN_OPS_MAX,
@@ -203,6 +206,11 @@ impl MemEtcd {
                     .map(|kv| (k.clone(), kv.value.clone()))
             })
             .collect()
+    }
+
+    /// Replaces the alarms the model reports as active.
+    pub fn set_alarms(&self, alarms: Vec<Alarm>) {
+        self.lock().alarms = alarms;
     }
 
     /// Expires leases whose deadline passed (also done lazily by every call).
@@ -616,7 +624,71 @@ impl KvBackend for MemEtcd {
             Ok(rx)
         })
     }
+
+    fn lease_time_to_live(&self, id: i64) -> BoxFut<'_, Result<LeaseTtl, KvError>> {
+        Box::pin(async move {
+            let now = self.clock.mono();
+            let mut s = self.lock();
+            s.expire(now);
+            let lease = s.leases.get(&id).ok_or(KvError::LeaseNotFound)?;
+            let left = lease.expires.saturating_sub(now).as_secs();
+            Ok(LeaseTtl {
+                remaining_s: i64::try_from(left).unwrap_or(i64::MAX),
+                granted_s: lease.ttl_s,
+            })
+        })
+    }
+
+    fn member_list(&self) -> BoxFut<'_, Result<Vec<ClusterMember>, KvError>> {
+        Box::pin(async move {
+            Ok(vec![ClusterMember {
+                id: MODEL_MEMBER_ID,
+                name: "model".into(),
+                client_urls: vec!["model://memory".into()],
+                peer_urls: Vec::new(),
+                is_learner: false,
+            }])
+        })
+    }
+
+    fn status(&self) -> BoxFut<'_, Result<ClusterStatus, KvError>> {
+        Box::pin(async move {
+            let now = self.clock.mono();
+            let mut s = self.lock();
+            s.expire(now);
+            // Sizes as a rough count of stored bytes: every kept version for the file,
+            // the live ones for what is in use.
+            const ENTRY_BYTES: usize = 64;
+            let (mut all, mut live) = (0usize, 0usize);
+            for (k, hist) in &s.keys {
+                for e in hist {
+                    let n = ENTRY_BYTES + k.len() + e.kv.as_ref().map_or(0, |kv| kv.value.len());
+                    all += n;
+                    if std::ptr::eq(e, hist.last().unwrap_or(e)) && e.kv.is_some() {
+                        live += n;
+                    }
+                }
+            }
+            Ok(ClusterStatus {
+                member_id: MODEL_MEMBER_ID,
+                leader: MODEL_MEMBER_ID,
+                version: "model".into(),
+                db_size: i64::try_from(all).unwrap_or(i64::MAX),
+                db_size_in_use: i64::try_from(live).unwrap_or(i64::MAX),
+                revision: s.rev,
+                raft_term: 1,
+                errors: Vec::new(),
+            })
+        })
+    }
+
+    fn alarms(&self) -> BoxFut<'_, Result<Vec<Alarm>, KvError>> {
+        Box::pin(async move { Ok(self.lock().alarms.clone()) })
+    }
 }
+
+/// The one member the model's cluster has.
+const MODEL_MEMBER_ID: u64 = 1;
 
 #[cfg(test)]
 mod tests {
@@ -661,6 +733,33 @@ mod tests {
             kv.lease_keepalive(lease.id).await,
             Err(KvError::LeaseNotFound)
         );
+    }
+
+    #[tokio::test]
+    async fn lease_time_to_live_counts_down_on_the_injected_clock() {
+        let clock = Arc::new(ManualClock::new(Timespec::new(0, 0)));
+        let kv = MemEtcd::new(clock.clone());
+        let lease = kv.lease_grant(12).await.expect("grant");
+        let ttl = |remaining_s| LeaseTtl {
+            remaining_s,
+            granted_s: 12,
+        };
+        assert_eq!(kv.lease_time_to_live(lease.id).await, Ok(ttl(12)));
+        clock.advance(Duration::from_millis(8500));
+        assert_eq!(kv.lease_time_to_live(lease.id).await, Ok(ttl(3)));
+        kv.lease_keepalive(lease.id).await.expect("keepalive");
+        assert_eq!(kv.lease_time_to_live(lease.id).await, Ok(ttl(12)));
+        clock.advance(Duration::from_secs(12));
+        assert_eq!(
+            kv.lease_time_to_live(lease.id).await,
+            Err(KvError::LeaseNotFound)
+        );
+        let alarm = Alarm {
+            member_id: MODEL_MEMBER_ID,
+            kind: crate::kv::AlarmKind::NoSpace,
+        };
+        kv.set_alarms(vec![alarm]);
+        assert_eq!(kv.alarms().await, Ok(vec![alarm]));
     }
 
     #[tokio::test]
