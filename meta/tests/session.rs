@@ -317,10 +317,10 @@ async fn orphan_pages_cover_every_record_and_skip_corrupt_ones() {
 #[tokio::test]
 async fn a_dead_sessions_keys_all_go_with_its_lease() {
     let (clock, kv, keys) = formatted_model().await;
-    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), &*clock)
+    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
         .await
         .unwrap();
-    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), &*clock)
+    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), clock.clone())
         .await
         .unwrap();
     assert!(a.claim_group(GroupId(2)).await.unwrap());
