@@ -50,14 +50,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// End a node's session at once: revoke its etcd lease, so that its membership,
-    /// groups, locks and open records go and other nodes can take over its files.
+    /// End a node's session: the node stops its device I/O, drops its caches and revokes
+    /// its own lease, so that its groups, locks and open records go to the other nodes
+    /// (its files opened before answer EIO); then it registers anew.
     Evict {
         #[command(flatten)]
         cluster: ClusterArgs,
         /// The node: its name, or its session id as `etcfs status` prints it (needed when
         /// several nodes have the same name).
         node: String,
+        /// Revoke the lease from here without waiting for the node: only for a node known
+        /// to be down (a running daemon could still write until it notices).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -214,7 +219,11 @@ fn main() -> ExitCode {
         Command::Status { cluster, json } => {
             status::print_status(&cluster.etcd, &cluster.prefix, json)
         }
-        Command::Evict { cluster, node } => status::evict(&cluster.etcd, &cluster.prefix, &node),
+        Command::Evict {
+            cluster,
+            node,
+            force,
+        } => status::evict(&cluster.etcd, &cluster.prefix, &node, force),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

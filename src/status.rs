@@ -1229,10 +1229,17 @@ pub(crate) fn resolve<'a>(node: &str, nodes: &'a [NodeSnap]) -> Result<&'a NodeS
     }
 }
 
-/// `etcfs evict NODE`: revokes the node's lease, which deletes its membership, groups,
-/// locks and open records in one step. The daemon, if it still runs, finds its session
-/// gone.
-pub(crate) fn evict(etcd: &[String], prefix: &str, node: &str) -> Result<()> {
+/// How long `etcfs evict` waits for the node to give its session up (or, for a node that
+/// died, for its lease to run out: longer than the default TTL).
+const EVICT_WAIT: Duration = Duration::from_secs(15);
+
+/// `etcfs evict NODE`: asks the node to end its session (an eviction record its watch
+/// sees: it stops device I/O, drops what it held, waits a margin for I/O in flight, then
+/// revokes its own lease and registers anew). Revoking the lease from here instead would
+/// let other nodes take its locks and groups while the node, still believing its lease
+/// alive until its next renewal, may still be writing to the device: that is `--force`,
+/// for a node known to be down.
+pub(crate) fn evict(etcd: &[String], prefix: &str, node: &str, force: bool) -> Result<()> {
     let keys = Keyspace::new(prefix).map_err(|e| anyhow!("bad --prefix: {e}"))?;
     let rt = runtime()?;
     let kv = connect(&rt, etcd)?;
@@ -1257,26 +1264,74 @@ pub(crate) fn evict(etcd: &[String], prefix: &str, node: &str) -> Result<()> {
         .unwrap_or_default();
     let lease =
         i64::try_from(target.session.0).map_err(|_| anyhow!("session id is no lease id"))?;
-    match rt.block_on(kv.lease_revoke(lease)) {
-        Ok(()) => {}
-        Err(KvError::LeaseNotFound) => bail!(
-            "{}: its lease had already ended (nothing to evict)",
-            describe_node(target)
-        ),
-        Err(e) => bail!("revoking the lease of {}: {e}", describe_node(target)),
+    let member = keys.member(target.session);
+    let ask = keys.evict(target.session);
+    let gone = |kv: &Arc<dyn KvBackend>| -> Result<bool> {
+        let r = rt
+            .block_on(kv.range(RangeRequest::key(member.clone()).keys_only()))
+            .context("checking the node record")?;
+        Ok(r.kvs.is_empty())
+    };
+    let put = meta::kv::Txn {
+        success: vec![meta::kv::TxnOp::Put(meta::kv::PutOp {
+            key: ask.clone(),
+            value: Owner {
+                session: target.session,
+            }
+            .encode(),
+            lease: 0,
+        })],
+        ..Default::default()
+    };
+    rt.block_on(kv.txn(put))
+        .with_context(|| format!("asking {} to give up its session", describe_node(target)))?;
+    let start = std::time::Instant::now();
+    let mut forced = false;
+    while !gone(&kv)? {
+        if start.elapsed() >= EVICT_WAIT || force {
+            if !force {
+                let _ = rt.block_on(kv.txn(meta::kv::Txn {
+                    success: vec![meta::kv::TxnOp::delete(ask.clone())],
+                    ..Default::default()
+                }));
+                bail!(
+                    "{} did not give up its session within {} s (a node that is running but \
+                     not answering keeps renewing its lease). If the node is known to be down \
+                     (powered off, its daemon killed), `etcfs evict --force` revokes the lease \
+                     at once; a daemon still running could then write to the device until it \
+                     notices, up to a quarter of its lease TTL later",
+                    describe_node(target),
+                    EVICT_WAIT.as_secs()
+                );
+            }
+            match rt.block_on(kv.lease_revoke(lease)) {
+                Ok(()) | Err(KvError::LeaseNotFound) => {}
+                Err(e) => bail!("revoking the lease of {}: {e}", describe_node(target)),
+            }
+            forced = true;
+            if !gone(&kv)? {
+                bail!(
+                    "revoked the lease of {}, but its node record is still there",
+                    describe_node(target)
+                );
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
-    let still = rt
-        .block_on(kv.range(RangeRequest::key(keys.member(target.session)).keys_only()))
-        .context("checking the node record is gone")?;
-    if !still.kvs.is_empty() {
-        bail!(
-            "revoked the lease of {}, but its node record is still there",
-            describe_node(target)
-        );
-    }
+    let _ = rt.block_on(kv.txn(meta::kv::Txn {
+        success: vec![meta::kv::TxnOp::delete(ask)],
+        ..Default::default()
+    }));
+    let how = if forced {
+        "its lease is revoked"
+    } else {
+        "it gave its session up"
+    };
     println!(
-        "etcfs: evicted {}: its lease is revoked and its node record, {what} are gone",
-        describe_node(target)
+        "etcfs: evicted {} after {:.1} s: {how}; its node record, {what} are gone",
+        describe_node(target),
+        start.elapsed().as_secs_f64()
     );
     Ok(())
 }

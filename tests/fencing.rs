@@ -140,7 +140,10 @@ impl Freezer {
         self.send("STOP");
         let start = Instant::now();
         while self.state() != 'T' {
-            assert!(start.elapsed() < Duration::from_secs(5), "the daemon stopped");
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the daemon stopped"
+            );
             thread::sleep(Duration::from_millis(5));
         }
     }
@@ -260,7 +263,8 @@ fn a_frozen_node_never_writes_after_its_lease_and_rejoins() {
     assert!(seen == second, "A reads what B wrote while it was frozen");
     let third = pattern(3, 4096);
     let f = OpenOptions::new().write(true).open(&pa).expect("open on A");
-    f.write_all_at(&third, 0).expect("write on A after rejoining");
+    f.write_all_at(&third, 0)
+        .expect("write on A after rejoining");
     let mut got = vec![0u8; 4096];
     File::open(&pb)
         .expect("open on B")
@@ -268,7 +272,11 @@ fn a_frozen_node_never_writes_after_its_lease_and_rejoins() {
         .expect("read on B");
     assert!(got == third, "B reads A's write after A rejoined");
     let log = a.log_text();
-    for step in ["fenced:", "rejoin: registered session", "rejoin: serving again"] {
+    for step in [
+        "fenced:",
+        "rejoin: registered session",
+        "rejoin: serving again",
+    ] {
         assert!(log.contains(step), "A's log shows {step:?}:\n{log}");
     }
 }
@@ -400,4 +408,68 @@ fn a_node_cut_off_from_etcd_past_its_lease_fences_itself_and_rejoins() {
     }
     drop(a);
     drop(fs);
+}
+
+/// `etcfs evict` of a live node: the node gives its session up (stops device I/O, drops
+/// what it held, revokes its own lease), the other node takes its file over, the node's
+/// old handles answer EIO and it serves again under a new session.
+#[test]
+fn an_evicted_node_gives_up_its_session_and_rejoins() {
+    let Some(fs) = TestFs::new_or_skip("evict_live", None) else {
+        return;
+    };
+    let a = fs.mount_node("a", "auto", &["--lease-ttl", TTL]);
+    let b = fs.mount_node("b", "auto", &["--lease-ttl", TTL]);
+    let data = pattern(7, MIB);
+    write_file(&a.path("f"), &data);
+    let old = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(a.path("f"))
+        .expect("open on A");
+    old.write_all_at(&data[..4096], 0).expect("A writes");
+    let cluster = |args: &[&str]| {
+        let (out, in_time) = common::run_bounded(
+            Command::new(common::ETCFS).args(args).args([
+                "--etcd",
+                &fs.endpoints,
+                "--prefix",
+                &fs.prefix,
+            ]),
+            Duration::from_secs(30),
+        );
+        assert!(in_time, "etcfs {args:?} took too long");
+        out
+    };
+    let status: serde_json::Value =
+        serde_json::from_slice(&cluster(&["status", "--json"]).stdout).expect("status --json");
+    let session = status["nodes"]
+        .as_array()
+        .and_then(|n| n.iter().find(|n| n["pid"] == a.pid()))
+        .and_then(|n| n["session"].as_str())
+        .expect("A in status")
+        .to_owned();
+    let t = Instant::now();
+    let out = cluster(&["evict", &session]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "evict: {text}\n{}", a.log_text());
+    assert!(text.contains("gave its session up"), "{text}");
+    eprintln!("evicted in {:?}", t.elapsed());
+
+    // B takes the file over and sees A's writes; A's old handle is broken for good.
+    assert!(read_direct(&b.path("f"), MIB) == data);
+    write_file(&b.path("f"), &pattern(8, MIB));
+    assert_eq!(errno_of(old.write_all_at(b"late", 0)), Some(libc::EIO));
+    assert!(read_direct(&b.path("f"), MIB) == pattern(8, MIB));
+    wait_rejoined(&a, "again", Duration::from_secs(20));
+    let log = a.log_text();
+    for step in [
+        "evicted:",
+        "fenced:",
+        "rejoin: the old session",
+        "rejoin: serving again",
+    ] {
+        assert!(log.contains(step), "A's log shows {step:?}:\n{log}");
+    }
 }

@@ -31,6 +31,10 @@
 //! <p>/W<session:8>             Owner {session}         the asker's    a node out of space in its
 //!                                                                     groups: owners hand some
 //!                                                                     back (Session::want_space)
+//! <p>/V<session:8>             Owner {session}         -              `etcfs evict`: that session
+//!                                                                     fences itself and revokes
+//!                                                                     its lease; deleted by it
+//!                                                                     or by the evicting command
 //! <p>/K<ino:8><session:8>      CacheLock {mode}        the holder's   cluster cache lock of a
 //!                                                                     regular file (cachelock.rs)
 //! <p>/Q<ino:8><session:8>      CacheLock {mode}        the asker's    a node waiting for that
@@ -93,6 +97,7 @@ mod tag {
     pub(super) const FREE_MAP: u8 = b'F';
     pub(super) const RELEASED: u8 = b'R';
     pub(super) const SPACE_WANTED: u8 = b'W';
+    pub(super) const EVICT: u8 = b'V';
     pub(super) const CACHE_LOCK: u8 = b'K';
     pub(super) const CACHE_WANT: u8 = b'Q';
     pub(super) const HELD: u8 = b'H';
@@ -144,6 +149,8 @@ pub enum KeyKind {
     Released(u64),
     /// `W<session>`
     SpaceWanted(SessionId),
+    /// `V<session>`
+    Evict(SessionId),
     /// `K<ino><session>`
     CacheLock(Ino, SessionId),
     /// `Q<ino><session>`
@@ -395,6 +402,11 @@ impl Keyspace {
         self.key_u64(tag::SPACE_WANTED, session.0)
     }
 
+    /// `V<session>`: an operator asked that session to give itself up (`etcfs evict`).
+    pub fn evict(&self, session: SessionId) -> Vec<u8> {
+        self.key_u64(tag::EVICT, session.0)
+    }
+
     fn ino_session(&self, tag: u8, ino: Ino, session: SessionId) -> Vec<u8> {
         let mut k = self.key_u64(tag, ino.0);
         k.extend_from_slice(&session.0.to_be_bytes());
@@ -471,6 +483,7 @@ impl Keyspace {
             tag::MEMBER => KeyKind::Member(SessionId(u64_at(body)?)),
             tag::RELEASED => KeyKind::Released(u64_at(body)?),
             tag::SPACE_WANTED => KeyKind::SpaceWanted(SessionId(u64_at(body)?)),
+            tag::EVICT => KeyKind::Evict(SessionId(u64_at(body)?)),
             tag::DENTRY | tag::XATTR => {
                 let (n, name) = (body.get(..8)?, body.get(8..)?);
                 if name.is_empty() {
@@ -539,6 +552,7 @@ impl Keyspace {
             Some(KeyKind::Orphan(i)) => format!("{p}O {i}"),
             Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
             Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
+            Some(KeyKind::Evict(s)) => format!("{p}V {s}"),
             Some(KeyKind::CacheLock(i, s)) => format!("{p}K {i} {s}"),
             Some(KeyKind::CacheWant(i, s)) => format!("{p}Q {i} {s}"),
             Some(KeyKind::Held(i, s)) => format!("{p}H {i} by {s}"),
@@ -640,6 +654,7 @@ mod tests {
                 k.space_wanted(SessionId(6)),
                 KeyKind::SpaceWanted(SessionId(6)),
             ),
+            (k.evict(SessionId(6)), KeyKind::Evict(SessionId(6))),
             (
                 k.cache_lock(Ino(7), SessionId(8)),
                 KeyKind::CacheLock(Ino(7), SessionId(8)),

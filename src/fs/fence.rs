@@ -187,6 +187,18 @@ impl Inner {
         }
     }
 
+    /// An operator asked `session` to give itself up (`etcfs evict`): if it is ours, the
+    /// fence closes now and the housekeeping thread does the rest, revoking the lease
+    /// once device I/O already under way has had [`meta::fence::MARGIN_MIN`] to finish.
+    pub(super) fn evicted(&self, session: SessionId) {
+        let ours = lock(&self.session)
+            .as_ref()
+            .is_some_and(|s| s.id() == session);
+        if ours && self.fence.close(Some(session)) {
+            log::error!("evicted: an operator ended session {:x}", session.0);
+        }
+    }
+
     /// Drops everything held under the session whose fence closed. Nothing of it is
     /// written anywhere: the lease may be gone, and with it the locks and groups that
     /// made those writes safe.
@@ -202,6 +214,7 @@ impl Inner {
         if let Some(s) = &old {
             s.stop_keepalive();
         }
+        *lock(&self.fenced_at) = Some(std::time::Instant::now());
         self.generation.fetch_add(1, Ordering::AcqRel);
         let mut inos: BTreeSet<u64> = self.locks.fence().into_iter().collect();
         let (files, dropped) = self.files.drop_all();
@@ -260,12 +273,28 @@ impl Inner {
         *lock(&self.session) = Some(new.clone());
         if let Some(old) = old {
             // Its locks and groups go now rather than when the lease runs out (it is
-            // usually gone already).
+            // usually gone already, unless the fence closed early or on an eviction),
+            // once device I/O submitted before the fence has had its margin to finish.
+            let since = lock(&self.fenced_at).map_or(Duration::MAX, |t| t.elapsed());
+            if let Some(wait) = meta::fence::MARGIN_MIN.checked_sub(since) {
+                std::thread::sleep(wait);
+            }
             let dead = old.id();
-            if let Err(e) = run_read(&self.meta, move |_, _| {
-                Box::pin(async move { new.revoke_dead(dead).await })
+            let evict_key = self.meta.keys().evict(dead);
+            if let Err(e) = run_read(&self.meta, move |kv, _| {
+                Box::pin(async move {
+                    new.revoke_dead(dead).await?;
+                    let t = meta::kv::Txn {
+                        success: vec![meta::kv::TxnOp::delete(evict_key)],
+                        ..Default::default()
+                    };
+                    kv.txn(t).await?;
+                    Ok(())
+                })
             }) {
                 log::warn!("rejoin: revoking the old session {:x}: {e}", dead.0);
+            } else {
+                log::warn!("rejoin: the old session {:x} is revoked", dead.0);
             }
         }
         match self.claim_groups(GROUPS_CLAIM_INITIAL) {

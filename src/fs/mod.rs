@@ -484,6 +484,8 @@ pub(crate) struct Inner {
     fenced: AtomicBool,
     /// When a fenced node next tries to register.
     rejoin_at: Mutex<Option<std::time::Instant>>,
+    /// When the last fence closed (the old lease is revoked only a margin later).
+    fenced_at: Mutex<Option<std::time::Instant>>,
     /// The lease TTL a new session asks for.
     lease_ttl_s: i64,
     dev: Dev,
@@ -625,6 +627,7 @@ impl EtcFs {
             generation: AtomicU64::new(1),
             fenced: AtomicBool::new(false),
             rejoin_at: Mutex::new(None),
+            fenced_at: Mutex::new(None),
             lease_ttl_s: opts.lease_ttl_s,
             dev,
             geometry,

@@ -326,6 +326,7 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
         Some(KeyKind::SpaceWanted(asker)) if put => i.space_wanted_by(asker),
+        Some(KeyKind::Evict(s)) if put => i.evicted(s),
         Some(KeyKind::CacheWant(ino, asker)) if put && asker != i.locks.me() => {
             match decode_at::<CacheLock>(keys, &ev.kv.key, &ev.kv.value) {
                 Ok(c) => i.locks.asked(ino.0, c.mode),
