@@ -201,7 +201,7 @@ fn a_frozen_node_never_writes_after_its_lease_and_rejoins() {
                 b.fill(if direct { b'X' } else { b'Y' });
                 let mut i = 0u64;
                 while !stop.load(Ordering::Acquire) {
-                    let off = (i * 64 << 10) % MIB as u64;
+                    let off = (i << 16) % MIB as u64;
                     i += 1;
                     match f.write_all_at(b, off) {
                         Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
