@@ -115,6 +115,25 @@ impl KvBackend for Wire {
     }
 }
 
+/// A manual clock, the model on it, and the network in front of it.
+#[allow(clippy::type_complexity)]
+fn world() -> (
+    Arc<ManualClock>,
+    Arc<MemEtcd>,
+    Arc<Mutex<Net>>,
+    Arc<dyn KvBackend>,
+) {
+    let clock = Arc::new(ManualClock::new(Timespec::new(1_700_000_000, 0)));
+    let etcd = Arc::new(MemEtcd::new(clock.clone()));
+    let net = Arc::new(Mutex::new(Net::default()));
+    let kv: Arc<dyn KvBackend> = Arc::new(Wire {
+        etcd: etcd.clone(),
+        clock: clock.clone(),
+        net: net.clone(),
+    });
+    (clock, etcd, net, kv)
+}
+
 /// Lets the keepalive task run (tokio's clock is paused: this costs no real time).
 async fn let_run() {
     for _ in 0..4 {
@@ -124,14 +143,7 @@ async fn let_run() {
 
 async fn trial(seed: u64) -> (usize, bool) {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let clock = Arc::new(ManualClock::new(Timespec::new(1_700_000_000, 0)));
-    let etcd = Arc::new(MemEtcd::new(clock.clone()));
-    let net = Arc::new(Mutex::new(Net::default()));
-    let kv: Arc<dyn KvBackend> = Arc::new(Wire {
-        etcd: etcd.clone(),
-        clock: clock.clone(),
-        net: net.clone(),
-    });
+    let (clock, etcd, net, kv) = world();
     let ttl_s: i64 = rng.gen_range(2..=12);
     let ttl = Duration::from_secs(ttl_s as u64);
     // Which faults this trial sees: lost renewals, late ones, freezes (bit 0, 1, 2).
@@ -247,14 +259,7 @@ async fn the_fence_closes_before_the_lease_can_expire() {
 /// answer that took 3 s to come back does not buy 3 s more.
 #[tokio::test(start_paused = true)]
 async fn a_late_answer_buys_no_time() {
-    let clock = Arc::new(ManualClock::new(Timespec::new(1_700_000_000, 0)));
-    let etcd = Arc::new(MemEtcd::new(clock.clone()));
-    let net = Arc::new(Mutex::new(Net::default()));
-    let kv: Arc<dyn KvBackend> = Arc::new(Wire {
-        etcd: etcd.clone(),
-        clock: clock.clone(),
-        net: net.clone(),
-    });
+    let (clock, etcd, net, kv) = world();
     let fence = Arc::new(Fence::new(clock.clone()));
     let cfg = SessionConfig {
         ttl_s: 10,

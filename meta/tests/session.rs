@@ -61,27 +61,8 @@ async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, in
 
 #[tokio::test]
 async fn crash_frees_groups_and_orphans_on_model() {
-    let clock = Arc::new(ManualClock::new(Timespec::new(1_700_000_000, 0)));
-    let kv: Arc<dyn KvBackend> = Arc::new(MemEtcd::new(clock.clone()));
+    let (clock, kv, keys) = formatted_model().await;
     let model = kv.clone();
-    let keys = Keyspace::new("fs").unwrap();
-    let root = meta::format::RootOwner {
-        uid: 0,
-        gid: 0,
-        perm: 0o755,
-    };
-    let sb = meta::codec::SuperRecord {
-        uuid: [2; 16],
-        format_version: 1,
-        block_size: 4096,
-        group_size: 1 << 26,
-        group_count: 4,
-        device_size: 1 << 28,
-        created: Timespec::new(1, 0),
-    };
-    meta::format::format(&*kv, &keys, &sb, root, Timespec::new(1, 0), false)
-        .await
-        .unwrap();
     let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
         .await
         .unwrap();

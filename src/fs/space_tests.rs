@@ -27,6 +27,22 @@ fn owned(fx: &Fx) -> BTreeSet<AgId> {
     super::lock(&fx.fs.inner().alloc).owned().clone()
 }
 
+/// Two files `x` and `y` written block by block in turn, `blocks` each, so that their
+/// blocks interleave on the device (each of x's blocks a range, and a released record, of
+/// its own once freed); both fsync'd and closed.
+fn interleaved(n: &mut Fx, blocks: u64) {
+    let (x, xfh) = n.create(ROOT, b"x");
+    let (y, yfh) = n.create(ROOT, b"y");
+    for i in 0..blocks {
+        n.write(x, xfh, i * 2 * BLOCK_SIZE, &pattern(1, BLOCK_SIZE as usize));
+        n.write(y, yfh, i * 2 * BLOCK_SIZE, &pattern(2, BLOCK_SIZE as usize));
+    }
+    n.fsync(x, xfh);
+    n.fsync(y, yfh);
+    n.release(x, xfh);
+    n.release(y, yfh);
+}
+
 /// A node dies holding more unlinked files than one page of the orphan scan, with two
 /// corrupt orphan records among them: a live node reclaims every one and gets all their
 /// space back; the corrupt records are logged and left. Found by reading the scan: it
@@ -94,16 +110,7 @@ fn a_dead_owners_released_records_are_all_applied_when_its_group_is_taken() {
     let mut b = second_mount(&a);
     // Two files written block by block in turn: their blocks interleave on the device, so
     // each of x's blocks is a range (and a released record) of its own.
-    let (x, xfh) = b.create(ROOT, b"x");
-    let (y, yfh) = b.create(ROOT, b"y");
-    for i in 0..BLOCKS {
-        b.write(x, xfh, i * 2 * BLOCK_SIZE, &pattern(1, BLOCK_SIZE as usize));
-        b.write(y, yfh, i * 2 * BLOCK_SIZE, &pattern(2, BLOCK_SIZE as usize));
-    }
-    b.fsync(x, xfh);
-    b.fsync(y, yfh);
-    b.release(x, xfh);
-    b.release(y, yfh);
+    interleaved(&mut b, BLOCKS);
     // A deletes x: its ranges lie in B's groups and stay released records for B to fold;
     // B dies before its fold (two looks a second apart) gets to them: its session ends
     // (as a mount ends a dead local daemon's), without the unmount's own fold.
@@ -218,16 +225,7 @@ fn a_group_handed_back_takes_the_frees_not_yet_folded_with_it() {
     let mut a = Fx::new();
     let free0 = a.statfs().bfree;
     let mut b = second_mount(&a);
-    let (x, xfh) = a.create(ROOT, b"x");
-    let (y, yfh) = a.create(ROOT, b"y");
-    for i in 0..BLOCKS {
-        a.write(x, xfh, i * 2 * BLOCK_SIZE, &pattern(1, BLOCK_SIZE as usize));
-        a.write(y, yfh, i * 2 * BLOCK_SIZE, &pattern(2, BLOCK_SIZE as usize));
-    }
-    a.fsync(x, xfh);
-    a.fsync(y, yfh);
-    a.release(x, xfh);
-    a.release(y, yfh);
+    interleaved(&mut a, BLOCKS);
     let inner = a.fs.inner();
     let used: Vec<AgId> = {
         let al = super::lock(&inner.alloc);
