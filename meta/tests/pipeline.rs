@@ -862,3 +862,58 @@ async fn large_file_is_reclaimed_in_logged_chunks() {
     assert_eq!(count(keys.extents(f)).await, 0);
     assert_eq!(count(keys.released_between(0, u64::MAX)).await, n as usize);
 }
+
+/// Nothing commits under a session whose lease is gone, and work begun under it never
+/// commits under the session that replaces it: every transaction compares the membership
+/// key of the session its mutations were submitted under.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_of_a_lost_session_never_commits() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let kv2 = kv.clone();
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv2 as Arc<dyn KvBackend>) }));
+    let chmod = |perm: u16| Mutation::SetAttr {
+        ino: Ino::ROOT,
+        set: SetAttr {
+            perm: Some(perm),
+            ..SetAttr::default()
+        },
+    };
+    let (k2, c2, model) = (keys.clone(), c.clone(), kv.clone());
+    let root_perm = tokio::task::spawn_blocking(move || {
+        let p =
+            Pipeline::start_deferred(connect, k2, c2.clone() as Arc<dyn Clock>, Config::default())
+                .unwrap();
+        let client = p.client();
+        let one = p
+            .register_session(&meta::session::SessionConfig::new("one"))
+            .unwrap();
+        client.commit(chmod(0o700)).unwrap();
+        let old = one.id();
+        // Its lease ends (expired, or revoked by an operator).
+        let lease = one.lease().0;
+        p.runtime()
+            .block_on(async move { model.lease_revoke(lease).await })
+            .unwrap();
+        assert_eq!(client.commit(chmod(0o711)), Err(MetaError::SessionLost));
+        let two = client
+            .register_session(&meta::session::SessionConfig::new("two"), c2)
+            .unwrap();
+        assert_eq!(client.session(), two.id());
+        assert_eq!(
+            client.commit_as(chmod(0o722), old).map(|_| ()),
+            Err(MetaError::SessionLost),
+            "work of the old session, submitted after the new one registered"
+        );
+        client.commit(chmod(0o733)).unwrap();
+        let root = client.get_inode(Ino::ROOT).unwrap().wait().unwrap();
+        drop(one);
+        drop(two);
+        drop(p);
+        root.map(|(a, _)| a.perm)
+    })
+    .await
+    .unwrap();
+    assert_eq!(root_perm, Some(0o733));
+}
