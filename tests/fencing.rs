@@ -271,6 +271,13 @@ fn a_frozen_node_never_writes_after_its_lease_and_rejoins() {
         .read_exact_at(&mut got, 0)
         .expect("read on B");
     assert!(got == third, "B reads A's write after A rejoined");
+    let counters = &a.stats_json()["counters"];
+    assert_eq!(counters["session_fences"].as_u64(), Some(1), "{counters}");
+    assert_eq!(
+        counters["session_fenced_now"].as_u64(),
+        Some(0),
+        "{counters}"
+    );
     let log = a.log_text();
     for step in [
         "fenced:",

@@ -490,6 +490,21 @@ impl Handler for EtcFs {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }
         c.push(("cache_locks_known".into(), self.inner.locks.len() as u64));
+        // Sessions fenced since mount (handles start at generation 1), whether the node is
+        // fenced now, and the milliseconds left before its fence closes.
+        let i = &self.inner;
+        c.push((
+            "session_fences".into(),
+            i.generation.load(Ordering::Acquire).saturating_sub(1),
+        ));
+        c.push((
+            "session_fenced_now".into(),
+            u64::from(i.fenced.load(Ordering::Acquire)),
+        ));
+        c.push((
+            "session_fence_left_ms".into(),
+            u64::try_from(i.fence.left().as_millis()).unwrap_or(u64::MAX),
+        ));
         let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
         c.push(("own_revisions_forgotten".into(), forgotten));
         c.push(("own_revisions_waited_out".into(), waited_out));

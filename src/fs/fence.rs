@@ -181,9 +181,19 @@ impl Inner {
         match self.rejoin() {
             Ok(()) => {
                 *lock(&self.rejoin_at) = None;
+                self.rejoin_failures.store(0, Ordering::Relaxed);
                 self.fenced.store(false, Ordering::Release);
             }
-            Err(e) => log::warn!("fenced node: registering a new session failed: {e}"),
+            Err(e) => {
+                // Once a second while etcd is away: the first failure and one in thirty.
+                let n = self.rejoin_failures.fetch_add(1, Ordering::Relaxed);
+                if n % 30 == 0 {
+                    log::warn!(
+                        "fenced node: registering a new session failed ({} tries so far): {e}",
+                        n + 1
+                    );
+                }
+            }
         }
     }
 

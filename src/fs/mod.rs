@@ -486,6 +486,8 @@ pub(crate) struct Inner {
     rejoin_at: Mutex<Option<std::time::Instant>>,
     /// When the last fence closed (the old lease is revoked only a margin later).
     fenced_at: Mutex<Option<std::time::Instant>>,
+    /// Failed registrations since the fence (for the log's rate).
+    rejoin_failures: AtomicU64,
     /// The lease TTL a new session asks for.
     lease_ttl_s: i64,
     dev: Dev,
@@ -628,6 +630,7 @@ impl EtcFs {
             fenced: AtomicBool::new(false),
             rejoin_at: Mutex::new(None),
             fenced_at: Mutex::new(None),
+            rejoin_failures: AtomicU64::new(0),
             lease_ttl_s: opts.lease_ttl_s,
             dev,
             geometry,
