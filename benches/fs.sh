@@ -37,9 +37,14 @@
 #
 # usage: benches/fs.sh [--runs R] [--fio-secs S] [--fio-size SIZE] [--deep N|0]
 #                      [--files N] [--clients K] [--meta-timeout SECS]
-#                      [--no-fio] [--no-meta] [--no-perf-pass] [--no-build] [--write-doc]
+#                      [--no-fio] [--fio-jobs NAME,...] [--no-meta] [--no-perf-pass]
+#                      [--no-build] [--etcfs PATH] [--write-doc]
+# --fio-jobs runs only the named fio jobs (seqread, seqwrite, randread-qd1, randread-qd32,
+# randwrite-qd1, randwrite-qd32).
 # --no-build uses the binaries already in the target directory (as they are) instead of
-# building the working tree first.
+# building the working tree first. --etcfs PATH measures that etcfs binary (e.g. one built
+# from another commit) and builds nothing (benches/etcd_txn.rs, needed for the metadata
+# part only, is then the newest one in the target directory).
 set -euo pipefail
 
 RUNS=5
@@ -50,9 +55,11 @@ FILES=2000
 CLIENTS=4
 META_TIMEOUT=1
 DO_FIO=1
+FIO_ONLY=""
 DO_META=1
 DO_PERF=1
 BUILD=1
+ETCFS_ARG=""
 WRITE_DOC=0
 ORIG_ARGS=("$@")
 while [ $# -gt 0 ]; do
@@ -65,18 +72,20 @@ while [ $# -gt 0 ]; do
 	--clients) CLIENTS=$2; shift 2 ;;
 	--meta-timeout) META_TIMEOUT=$2; shift 2 ;;
 	--no-fio) DO_FIO=0; shift ;;
+	--fio-jobs) FIO_ONLY=$2; shift 2 ;;
 	--no-meta) DO_META=0; shift ;;
 	--no-perf-pass) DO_PERF=0; shift ;;
 	--no-build) BUILD=0; shift ;;
+	--etcfs) ETCFS_ARG=$2; BUILD=0; shift 2 ;;
 	--write-doc) WRITE_DOC=1; shift ;;
-	-h | --help) sed -n '2,42p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,47p' "$0"; exit 0 ;;
 	*) echo "fs.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
 	esac
 done
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
-ETCFS=$TARGET_DIR/release/etcfs
+ETCFS=${ETCFS_ARG:-$TARGET_DIR/release/etcfs}
 
 log() { echo "[fs.sh $(date +%H:%M:%S)] $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -460,8 +469,9 @@ if [ $BUILD = 1 ]; then
 else
 	# The newest etcd_txn the bench profile built.
 	TXN_BENCH=$(ls -t "$TARGET_DIR"/release/deps/etcd_txn-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
-	[ -n "$TXN_BENCH" ] && [ -x "$TXN_BENCH" ] || die "--no-build: no built etcd_txn in $TARGET_DIR/release/deps"
-	log "--no-build: using $ETCFS ($(date -r "$ETCFS" '+%F %T')) and $TXN_BENCH"
+	[ -n "$TXN_BENCH" ] && [ -x "$TXN_BENCH" ] || [ "$DO_META" = 0 ] ||
+		die "--no-build: no built etcd_txn in $TARGET_DIR/release/deps"
+	log "--no-build: using $ETCFS ($(date -r "$ETCFS" '+%F %T')) and ${TXN_BENCH:-no etcd_txn}"
 fi
 [ -x "$ETCFS" ] || die "no $ETCFS"
 # Private copies: the target directory is shared, and another build may replace the binaries
@@ -472,8 +482,9 @@ SOURCE=$(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo unknown)
 dirty=$(cd "$ROOT" && git status --porcelain -- src meta fusedev uring perf 2>/dev/null |
 	awk '{print $2}' | paste -sd' ' - || true)
 [ -z "$dirty" ] || SOURCE="$SOURCE with uncommitted changes to: $dirty"
+[ -z "$ETCFS_ARG" ] || SOURCE="the binary $ETCFS_ARG ($("$ETCFS" --version 2>/dev/null || echo 'version unknown'))"
 cp "$ETCFS" "$WORK/etcfs"
-cp "$TXN_BENCH" "$WORK/etcd_txn"
+[ -z "$TXN_BENCH" ] || cp "$TXN_BENCH" "$WORK/etcd_txn"
 ETCFS=$WORK/etcfs
 TXN_BENCH=$WORK/etcd_txn
 gcc -O2 -Wall "$ROOT/benches/meta_rates.c" -o "$WORK/meta_rates" || die "cannot build meta_rates"
@@ -571,6 +582,14 @@ FIO_JOBS=(
 	"randwrite-qd1 randwrite 4k 1"
 	"randwrite-qd32 randwrite 4k 32"
 )
+if [ -n "$FIO_ONLY" ]; then
+	kept=()
+	for job in "${FIO_JOBS[@]}"; do
+		[[ ",$FIO_ONLY," == *",${job%% *},"* ]] && kept+=("$job")
+	done
+	[ ${#kept[@]} -gt 0 ] || die "--fio-jobs $FIO_ONLY: no such job"
+	FIO_JOBS=("${kept[@]}")
+fi
 FIO_COMMON=(--direct=1 --ioengine=io_uring --numjobs=1 --size="$FIO_SIZE" --time_based
 	--runtime="$FIO_SECS" --ramp_time=1 --randrepeat=1 --norandommap)
 
