@@ -173,7 +173,8 @@ round() {
 	local evict=()
 	if [ "$how" = evict ]; then
 		sess=$(session_of "$apid")
-		evict=("$ETCFS" evict --etcd "$EP" --prefix failover "$sess")
+		# A is dead, so it cannot give its session up: --force revokes the lease.
+		evict=("$ETCFS" evict --force --etcd "$EP" --prefix failover "$sess")
 	fi
 	# Round n of N kills A (n - 0.5) / N of the way into one of its renewal periods.
 	line=$(python3 "$WORK/take.py" "$WORK/b" "$name" "$apid" "$ttl" "$(cat "$WORK/a-start")" \
