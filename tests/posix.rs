@@ -2059,6 +2059,16 @@ fn xattrs() {
         "255-byte name",
     );
     assert_eq!(helper(&["getxattr", p, &max_name, "10"]), Ok("1 v".into()));
+    // Names outside the namespaces ext4 knows, and a bare prefix, are refused as ext4
+    // refuses them (they used to be stored).
+    assert_eq!(
+        expect_errno(helper(&["setxattr", p, "foo.bar", "v", "0"]), "foo.bar"),
+        libc::EOPNOTSUPP
+    );
+    assert_eq!(
+        expect_errno(helper(&["setxattr", p, "user.", "v", "0"]), "user."),
+        libc::EINVAL
+    );
 
     // Remove.
     ok(helper(&["removexattr", p, "user.a"]), "removexattr");
