@@ -1285,15 +1285,18 @@ pub(crate) fn evict(etcd: &[String], prefix: &str, node: &str, force: bool) -> R
     };
     rt.block_on(kv.txn(put))
         .with_context(|| format!("asking {} to give up its session", describe_node(target)))?;
+    let withdraw = |kv: &Arc<dyn KvBackend>| {
+        let _ = rt.block_on(kv.txn(meta::kv::Txn {
+            success: vec![meta::kv::TxnOp::delete(ask.clone())],
+            ..Default::default()
+        }));
+    };
     let start = std::time::Instant::now();
     let mut forced = false;
     while !gone(&kv)? {
         if start.elapsed() >= EVICT_WAIT || force {
             if !force {
-                let _ = rt.block_on(kv.txn(meta::kv::Txn {
-                    success: vec![meta::kv::TxnOp::delete(ask.clone())],
-                    ..Default::default()
-                }));
+                withdraw(&kv);
                 bail!(
                     "{} did not give up its session within {} s (a node that is running but \
                      not answering keeps renewing its lease). If the node is known to be down \
@@ -1319,10 +1322,7 @@ pub(crate) fn evict(etcd: &[String], prefix: &str, node: &str, force: bool) -> R
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    let _ = rt.block_on(kv.txn(meta::kv::Txn {
-        success: vec![meta::kv::TxnOp::delete(ask)],
-        ..Default::default()
-    }));
+    withdraw(&kv);
     let how = if forced {
         "its lease is revoked"
     } else {

@@ -112,12 +112,6 @@ impl Fence {
             && nanos(self.clock.mono()) < until
     }
 
-    /// The session the fence is open for, if it is.
-    pub fn session(&self) -> Option<SessionId> {
-        let s = self.session.load(Ordering::Acquire);
-        (self.open() && s != 0).then_some(SessionId(s))
-    }
-
     /// Time left before the fence closes (zero once closed).
     pub fn left(&self) -> Duration {
         let until = self.until_ns.load(Ordering::Acquire);
@@ -192,13 +186,11 @@ mod tests {
         assert!(!f.open(), "a new fence is closed");
         f.arm(s, Duration::from_secs(8));
         assert!(f.open() && f.open_for(s) && !f.open_for(SessionId(8)));
-        assert_eq!(f.session(), Some(s));
         c.advance(Duration::from_secs(7));
         assert!(f.open());
         assert_eq!(f.left(), Duration::from_secs(1));
         c.advance(Duration::from_secs(1));
         assert!(!f.open() && !f.open_for(s), "the deadline itself is closed");
-        assert_eq!(f.session(), None);
         // A renewal moves it forward again while it is armed.
         assert!(f.renew(s, Duration::from_secs(20)));
         assert!(f.open());

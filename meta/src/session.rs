@@ -10,8 +10,8 @@
 //! A lease alone does not stop a stalled node from writing to the shared device after
 //! it expired: the keepalive keeps a [`Fence`] a margin before the lease's earliest
 //! expiry (see `crate::fence` for the arithmetic), device I/O starts only while it is
-//! open, and commits compare the membership key ([`Session::member_fence`]) and, where
-//! they hand out blocks, the group's ownership ([`Session::group_fence`]).
+//! open, and the pipeline's commits compare the membership key (`pipeline::commit`)
+//! and, where they hand out blocks, the group's ownership ([`Session::group_fence`]).
 
 use std::{collections::HashSet, sync::Arc, time::Duration};
 
@@ -140,12 +140,6 @@ impl Session {
     /// The fence this session keeps open.
     pub fn fence(&self) -> &Arc<Fence> {
         &self.fence
-    }
-
-    /// A compare that holds only while this session's lease is alive (its membership key
-    /// goes with it): every commit carries it, so nothing commits under a lost session.
-    pub fn member_fence(&self) -> Compare {
-        Compare::exists(self.keys.member(self.id))
     }
 
     /// This session's id (its lease id).

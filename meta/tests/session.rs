@@ -25,6 +25,19 @@ fn cfg(name: &str) -> SessionConfig {
     }
 }
 
+/// Nodes `a` and `b`, registered.
+async fn two_sessions(
+    kv: &Arc<dyn KvBackend>,
+    keys: &Keyspace,
+    clock: Arc<dyn Clock>,
+) -> (Session, Session) {
+    let (ca, cb) = (cfg("a"), cfg("b"));
+    let a = Session::register(kv.clone(), keys.clone(), &ca, clock.clone());
+    let a = a.await.unwrap();
+    let b = Session::register(kv.clone(), keys.clone(), &cb, clock);
+    (a, b.await.unwrap())
+}
+
 /// Applies one mutation directly (plan + txn), for setting up state.
 async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, ino: Option<Ino>) {
     let mut snap = Snapshot::default();
@@ -63,12 +76,7 @@ async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, in
 async fn crash_frees_groups_and_orphans_on_model() {
     let (clock, kv, keys) = formatted_model().await;
     let model = kv.clone();
-    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
-        .await
-        .unwrap();
-    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), clock.clone())
-        .await
-        .unwrap();
+    let (a, b) = two_sessions(&kv, &keys, clock.clone()).await;
     assert_ne!(a.id(), b.id());
     assert_eq!(live_sessions(&*kv, &keys).await.unwrap().len(), 2);
     assert!(a.claim_group(GroupId(0)).await.unwrap());
@@ -176,12 +184,7 @@ async fn session_on_real_etcd() {
         .as_nanos();
     let keys = Keyspace::new(&format!("etcfs-test-{nanos:x}")).unwrap();
     let clock: Arc<dyn Clock> = Arc::new(meta::clock::SystemClock::new());
-    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
-        .await
-        .unwrap();
-    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), clock.clone())
-        .await
-        .unwrap();
+    let (a, b) = two_sessions(&kv, &keys, clock.clone()).await;
     assert!(a.claim_group(GroupId(3)).await.unwrap());
     assert!(!b.claim_group(GroupId(3)).await.unwrap());
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -298,12 +301,7 @@ async fn orphan_pages_cover_every_record_and_skip_corrupt_ones() {
 #[tokio::test]
 async fn a_dead_sessions_keys_all_go_with_its_lease() {
     let (clock, kv, keys) = formatted_model().await;
-    let a = Session::register(kv.clone(), keys.clone(), &cfg("a"), clock.clone())
-        .await
-        .unwrap();
-    let b = Session::register(kv.clone(), keys.clone(), &cfg("b"), clock.clone())
-        .await
-        .unwrap();
+    let (a, b) = two_sessions(&kv, &keys, clock.clone()).await;
     assert!(a.claim_group(GroupId(2)).await.unwrap());
     a.want_space().await.unwrap();
     let f = Ino(5000);

@@ -260,11 +260,7 @@ impl Inner {
     /// Registers a new session (and gives the old lease up, if etcd still has it), claims
     /// groups and serves again.
     pub(super) fn rejoin(&self) -> Result<(), MetaError> {
-        let cfg = SessionConfig {
-            ttl_s: self.lease_ttl_s,
-            fence: Some(self.fence.clone()),
-            ..SessionConfig::new(&node_name())
-        };
+        let cfg = session_config(self.lease_ttl_s, self.fence.clone());
         let old = lock(&self.session).take();
         let s = match self.meta.register_session(&cfg, self.fence.clock().clone()) {
             Ok(s) => s,

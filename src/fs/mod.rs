@@ -563,11 +563,7 @@ impl EtcFs {
         let geometry = check_filesystem(&pipeline.client(), &dev)?;
         let session = pipeline
             .register_session_with(
-                &SessionConfig {
-                    ttl_s: cfg.lease_ttl_s,
-                    fence: Some(Arc::new(meta::fence::Fence::new(clock))),
-                    ..SessionConfig::new(&node_name())
-                },
+                &session_config(cfg.lease_ttl_s, Arc::new(meta::fence::Fence::new(clock))),
                 Some(group_layout(&geometry)),
             )
             .map_err(unreachable)?;
@@ -688,6 +684,16 @@ impl EtcFs {
     #[cfg(test)]
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.inner
+    }
+}
+
+/// This node's session: its name, lease TTL, and the fence it keeps (one for the
+/// filesystem's life: every session after a rejoin keeps the same one).
+fn session_config(ttl_s: i64, fence: Arc<meta::fence::Fence>) -> SessionConfig {
+    SessionConfig {
+        ttl_s,
+        fence: Some(fence),
+        ..SessionConfig::new(&node_name())
     }
 }
 

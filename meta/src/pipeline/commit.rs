@@ -578,7 +578,7 @@ impl Committer {
                 new_ino: w.ino,
                 block_size: self.cfg.block_size,
                 groups: self.cfg.groups,
-                lock_at_create: self.cfg.lock_at_create,
+                lock_at_create: self.cfg.registered,
             };
             match plan(&w.m, &w.snap, &ctx) {
                 Planned::Ready(p) => {
@@ -745,7 +745,7 @@ impl Committer {
     fn send_batch(&mut self, mut members: Vec<Member>, acc: Vec<Access>, session: SessionId) {
         let mut txn = Txn::default();
         let mut failure_reqs: Vec<RangeRequest> = Vec::new();
-        if self.cfg.fence_on_member {
+        if self.cfg.registered {
             // Nothing commits once the session's lease is gone: etcd deleted the key
             // with it. The failure branch reads it first (`on_compare_failed`).
             let member = self.keys.member(session);
@@ -954,7 +954,7 @@ impl Committer {
         };
         // The member key is the first thing the failure branch reads.
         let session_lost =
-            self.cfg.fence_on_member && fresh.first().is_some_and(|(_, r)| r.kvs.is_empty());
+            self.cfg.registered && fresh.first().is_some_and(|(_, r)| r.kvs.is_empty());
         if session_lost {
             for m in members {
                 self.finish(m.id, Err(MetaError::SessionLost));

@@ -75,12 +75,10 @@ pub struct Config {
     pub reads_queued_max: usize,
     /// Where the allocation groups lie (released ranges are logged per group).
     pub groups: Option<GroupLayout>,
-    /// A create of a regular file takes its cache lock for the session (under the
-    /// session's lease: only for a registered session, whose id is its lease).
-    pub lock_at_create: bool,
-    /// Every transaction compares the session's membership key, so that nothing commits
-    /// once its lease is gone (only for a registered session).
-    pub fence_on_member: bool,
+    /// The session is registered (its id is a lease, with a membership key): a create of
+    /// a regular file takes its cache lock under that lease, and every transaction compares
+    /// the membership key, so that nothing commits once the lease is gone.
+    pub registered: bool,
 }
 
 impl Default for Config {
@@ -99,8 +97,7 @@ impl Default for Config {
             block_size: 4096,
             reads_queued_max: 4096,
             groups: None,
-            lock_at_create: false,
-            fence_on_member: false,
+            registered: false,
         }
     }
 }
@@ -292,7 +289,6 @@ pub struct Pipeline {
     thread: Option<JoinHandle<()>>,
     runtime: tokio::runtime::Handle,
     backend: Arc<dyn KvBackend>,
-    keys: Keyspace,
     clock: Arc<dyn Clock>,
     /// Starts the committer of a deferred pipeline once its session is registered.
     start_committer: std::sync::Mutex<Option<StartCommitter>>,
@@ -393,25 +389,13 @@ impl Pipeline {
         let tx = slot
             .take()
             .ok_or(MetaError::Invalid("the pipeline already has a session"))?;
-        let (kv, keys, clock, scfg) = (
-            self.backend.clone(),
-            self.keys.clone(),
-            self.clock.clone(),
-            session_cfg.clone(),
-        );
-        let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
-        // Registered on the pipeline's runtime, so the keepalive task runs there.
-        self.runtime.spawn(async move {
-            let r = Session::register(kv, keys, &scfg, clock).await;
-            let _ = done_tx.send(r);
-        });
-        let s = done_rx
-            .recv()
-            .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
-        match s {
+        // Registered on the pipeline's runtime, so the keepalive task runs there; stamped
+        // from now on, though the committer may not have started yet.
+        match self
+            .client()
+            .register_session(session_cfg, self.clock.clone())
+        {
             Ok(s) => {
-                // Stamped from now on, though the committer may not have started yet.
-                self.client().set_session(s.id());
                 tx.send((s.id(), groups))
                     .map_err(|_| MetaError::Unavailable("pipeline thread died".into()))?;
                 Ok(s)
@@ -477,8 +461,7 @@ impl Pipeline {
                             if groups.is_some() {
                                 c2.groups = groups;
                             }
-                            c2.lock_at_create = true;
-                            c2.fence_on_member = true;
+                            c2.registered = true;
                             id
                         }
                         Err(_) => {
@@ -520,7 +503,6 @@ impl Pipeline {
             thread: Some(thread),
             runtime,
             backend,
-            keys,
             clock,
             start_committer: std::sync::Mutex::new(None),
         })
