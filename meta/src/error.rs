@@ -29,9 +29,29 @@ pub enum KvError {
     /// The lease does not exist (expired or revoked).
     #[error("lease not found")]
     LeaseNotFound,
+    /// etcd's database reached its space quota (`--quota-backend-bytes`): it raised the
+    /// NOSPACE alarm and refuses every write until compaction, defragmentation and
+    /// `etcdctl alarm disarm`. Refused before applying.
+    #[error("etcd database space exceeded (quota alarm): {0}")]
+    NoSpace(String),
     /// Anything else etcd reported.
     #[error("etcd error: {0}")]
     Other(String),
+}
+
+impl KvError {
+    /// Whether a write transaction that failed with this error certainly did not apply
+    /// (etcd refused it before proposing it). For any other error the outcome is unknown.
+    pub fn write_refused(&self) -> bool {
+        matches!(
+            self,
+            KvError::TooManyOps
+                | KvError::RequestTooLarge
+                | KvError::Invalid(_)
+                | KvError::LeaseNotFound
+                | KvError::NoSpace(_)
+        )
+    }
 }
 
 /// The result of a metadata operation as the filesystem sees it.
@@ -83,6 +103,10 @@ pub enum MetaError {
     /// etcd is unreachable or timed out; nothing is known about whether it applied.
     #[error("metadata store unavailable: {0}")]
     Unavailable(String),
+    /// etcd's space quota is reached: no metadata can be written until an operator
+    /// compacts and defragments etcd and disarms the alarm (ENOSPC, logged as such).
+    #[error("etcd quota reached: {0}")]
+    EtcdFull(String),
     /// The session the work was begun under has lost its lease (or the node gave it up
     /// at its fence): nothing of it may commit. The node serves again under a new one.
     #[error("this node's session has ended")]
@@ -100,6 +124,7 @@ impl From<KvError> for MetaError {
         match e {
             KvError::Unavailable(s) => MetaError::Unavailable(s),
             KvError::TooManyOps | KvError::RequestTooLarge => MetaError::TooBig,
+            KvError::NoSpace(s) => MetaError::EtcdFull(s),
             other => MetaError::Unavailable(other.to_string()),
         }
     }

@@ -66,6 +66,8 @@ fn map_err(e: etcd_client::Error) -> KvError {
                 KvError::TooManyOps
             } else if msg.contains("request is too large") {
                 KvError::RequestTooLarge
+            } else if msg.contains("database space exceeded") {
+                KvError::NoSpace(msg)
             } else if msg.contains("lease not found") {
                 KvError::LeaseNotFound
             } else if msg.contains("duplicate key") {

@@ -42,6 +42,10 @@
 //! <p>/B<ino:8><session:8>      LockRecord {kind, end,  the holder's   GETLK/SETLK/SETLKW, FLUSH,
 //!      <owner:8><class:1>      pid}                    lease          RELEASE (src/fs/plocks.rs)
 //!      <start:8>
+//! <p>/T<session:8><seq:8>      empty: committed;       the session's  every pipeline txn writes
+//!                              "x": given up                          its own (created only if
+//!                                                                     absent); deleted in ranges
+//!                                                                     once answered
 //! ```
 //!
 //! Why this shape:
@@ -70,6 +74,10 @@
 //!   keeps the inode (as an orphan) while one of them does. They carry the holder's lease:
 //!   a node that dies holds nothing once its lease ends. The inode comes first in the key,
 //!   so "is it open anywhere" is one range read (or range compare) over `H<ino>`.
+//! * Commit markers (`T`) make a transaction whose answer was lost decidable: each commit
+//!   transaction creates its own marker, and whoever resolves the lost answer creates the
+//!   same marker as "given up" if it is still absent. Exactly one of the two can apply,
+//!   so the mutation is either known committed or safely resent, never applied twice.
 //! * Byte-range and flock locks (`B`) carry the holder's lease too, so a dead node's locks
 //!   vanish with it. Their keys start with the inode: one range read returns every lock of
 //!   a file (what a conflict check needs), and one range compare over it makes an
@@ -102,6 +110,7 @@ mod tag {
     pub(super) const CACHE_WANT: u8 = b'Q';
     pub(super) const HELD: u8 = b'H';
     pub(super) const LOCK: u8 = b'B';
+    pub(super) const TXN_MARKER: u8 = b'T';
 }
 
 /// The default filesystem prefix.
@@ -159,6 +168,8 @@ pub enum KeyKind {
     Held(Ino, SessionId),
     /// `B<ino><session><owner><class><start>`
     Lock(LockKey),
+    /// `T<session><seq>`
+    TxnMarker(SessionId, u64),
 }
 
 /// The fields of a `B` key: whose lock on which file, and where it starts.
@@ -438,6 +449,21 @@ impl Keyspace {
         self.range_u64(tag::HELD, ino.0)
     }
 
+    /// `T<session><seq>`: commit transaction `seq` of `session` (see the schema notes).
+    pub fn txn_marker(&self, session: SessionId, seq: u64) -> Vec<u8> {
+        let mut k = self.key_u64(tag::TXN_MARKER, session.0);
+        k.extend_from_slice(&seq.to_be_bytes());
+        k
+    }
+
+    /// The commit markers of `session` with a sequence number below `seq`.
+    pub fn txn_markers_below(&self, session: SessionId, seq: u64) -> KeyRange {
+        KeyRange {
+            start: self.txn_marker(session, 0),
+            end: self.txn_marker(session, seq),
+        }
+    }
+
     /// `B<ino><session><owner><class><start>`: one lock (see [`LockKey`]).
     pub fn lock(&self, l: &LockKey) -> Vec<u8> {
         let mut k = self.lock_holder_prefix(l.ino, l.session, l.owner, l.flock);
@@ -513,6 +539,10 @@ impl Keyspace {
                 let (i, s) = (body.get(..8)?, body.get(8..)?);
                 KeyKind::Held(Ino(u64_at(i)?), SessionId(u64_at(s)?))
             }
+            tag::TXN_MARKER => {
+                let (s, n) = (body.get(..8)?, body.get(8..)?);
+                KeyKind::TxnMarker(SessionId(u64_at(s)?), u64_at(n)?)
+            }
             tag::LOCK => {
                 let (f, class, start) = (body.get(..24)?, body.get(24)?, body.get(25..)?);
                 KeyKind::Lock(LockKey {
@@ -553,6 +583,7 @@ impl Keyspace {
             Some(KeyKind::Released(o)) => format!("{p}R @{o}"),
             Some(KeyKind::SpaceWanted(s)) => format!("{p}W {s}"),
             Some(KeyKind::Evict(s)) => format!("{p}V {s}"),
+            Some(KeyKind::TxnMarker(s, n)) => format!("{p}T {s} {n}"),
             Some(KeyKind::CacheLock(i, s)) => format!("{p}K {i} {s}"),
             Some(KeyKind::CacheWant(i, s)) => format!("{p}Q {i} {s}"),
             Some(KeyKind::Held(i, s)) => format!("{p}H {i} by {s}"),
@@ -655,6 +686,10 @@ mod tests {
                 KeyKind::SpaceWanted(SessionId(6)),
             ),
             (k.evict(SessionId(6)), KeyKind::Evict(SessionId(6))),
+            (
+                k.txn_marker(SessionId(6), 9),
+                KeyKind::TxnMarker(SessionId(6), 9),
+            ),
             (
                 k.cache_lock(Ino(7), SessionId(8)),
                 KeyKind::CacheLock(Ino(7), SessionId(8)),

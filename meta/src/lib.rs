@@ -78,6 +78,7 @@ pub mod format;
 pub mod keys;
 pub mod kv;
 pub mod model;
+pub mod patient;
 pub mod pipeline;
 pub mod reader;
 pub mod session;

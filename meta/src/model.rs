@@ -237,6 +237,16 @@ impl MemEtcd {
             s.faults.unavailable_txns -= 1;
             return Err(KvError::Unavailable("injected fault".into()));
         }
+        let full = s
+            .alarms
+            .iter()
+            .any(|a| a.kind == crate::kv::AlarmKind::NoSpace);
+        if full && txn.success.iter().any(|op| matches!(op, TxnOp::Put(_))) {
+            // As etcd under its NOSPACE alarm: reads and deletes only.
+            return Err(KvError::NoSpace(
+                "etcdserver: mvcc: database space exceeded".into(),
+            ));
+        }
         for op in &txn.success {
             if let TxnOp::Put(p) = op {
                 if p.lease != 0 && !s.leases.contains_key(&p.lease) {

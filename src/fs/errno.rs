@@ -4,6 +4,8 @@
 //! place. Context-specific meanings (a missing xattr is ENODATA, not ENOENT) are applied
 //! by the caller on top of this table, and say so where they do.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use fusedev::errno::Errno;
 use meta::error::MetaError;
 
@@ -37,12 +39,39 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
             log::warn!("etcd unavailable: {why}");
             Errno::EIO
         }
+        // A full etcd is a full filesystem to the application, but the operator must know
+        // which of the two stores is full: the device's ENOSPC is not logged.
+        MetaError::EtcdFull(why) => {
+            if log_now(&ETCD_FULL_LOGGED) {
+                log::error!(
+                    "metadata store full: etcd raised its space-quota alarm ({why}); every \
+                     change answers ENOSPC until an operator compacts and defragments etcd \
+                     and runs `etcdctl alarm disarm` (README, \"Running etcd\")"
+                );
+            }
+            Errno::ENOSPC
+        }
         MetaError::Closed => Errno::EIO,
         // Begun under a session whose lease may have ended: it must not count.
         MetaError::SessionLost => Errno::EIO,
         // Only non-blocking submission reports it; handlers use blocking submission.
         MetaError::QueueFull => Errno::EAGAIN,
     }
+}
+
+static ETCD_FULL_LOGGED: AtomicU64 = AtomicU64::new(0);
+
+/// True at most once per minute per `last` (a condition that fails every request would
+/// otherwise log once per request).
+fn log_now(last: &AtomicU64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let prev = last.load(Ordering::Relaxed);
+    now >= prev + 60
+        && last
+            .compare_exchange(prev, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }
 
 /// The errno for a device error (the device layer's own table), logged.
@@ -96,6 +125,7 @@ mod tests {
             ),
             (MetaError::Unavailable("down".into()), Errno::EIO),
             (MetaError::Closed, Errno::EIO),
+            (MetaError::EtcdFull("quota".into()), Errno::ENOSPC),
             (MetaError::QueueFull, Errno::EAGAIN),
         ];
         for (e, want) in rows {

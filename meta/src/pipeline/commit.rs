@@ -19,6 +19,7 @@ use crossbeam_channel::{Receiver, TryRecvError};
 use tokio::{sync::Notify, task::JoinSet};
 
 use super::{
+    marker::{self, Markers, Resolution},
     mutation::{Mutation, Outcome},
     own::{changed_something, OwnCommits},
     plan::{freed_from_kvs, plan, Plan, PlanCtx, Planned, Snapshot, EXTENTS_PER_MUTATION_MAX},
@@ -163,6 +164,11 @@ struct Work {
     attempts: u32,
     /// Must be alone in its transaction (a grouped send was rejected as too large).
     solo: bool,
+    /// Until when (monotonic) reads that etcd did not answer are retried; set at the
+    /// first such failure.
+    retry_until: Option<Duration>,
+    /// Not planned again before this (monotonic): a pause between retried reads.
+    not_before: Duration,
     st: St,
     needs: Vec<RangeRequest>,
 }
@@ -182,8 +188,25 @@ enum TaskDone {
     Txn {
         members: Vec<Member>,
         failure_reqs: Vec<RangeRequest>,
+        sent: Sent,
         result: Result<TxnResponse, KvError>,
     },
+    /// A lost answer decided (see `marker.rs`).
+    Resolved {
+        members: Vec<Member>,
+        sent: Sent,
+        result: Result<Resolution, KvError>,
+    },
+}
+
+/// What a commit transaction carried besides its members' operations.
+#[derive(Clone, Copy)]
+struct Sent {
+    session: SessionId,
+    /// Its marker's number (registered sessions only).
+    marker: Option<u64>,
+    /// It deleted the session's markers below this.
+    cleaned_below: Option<u64>,
 }
 
 struct TouchEntry {
@@ -206,6 +229,9 @@ enum Ev {
     Task(Option<Result<TaskDone, tokio::task::JoinError>>),
     Tick,
 }
+
+/// Pause before a read that etcd did not answer is tried again.
+const READ_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 pub(crate) struct Committer {
     pub(crate) kv: Arc<dyn KvBackend>,
@@ -231,6 +257,10 @@ pub(crate) struct Committer {
     txns_in_flight: usize,
     reads_in_flight: usize,
     inflight: Vec<(u64, Vec<Access>)>,
+    markers: Markers,
+    /// Origin of the committer's own timers (retry pauses, marker holds): tokio's time,
+    /// which runs in simulations with a manual filesystem clock too.
+    epoch: tokio::time::Instant,
     closed: bool,
 }
 
@@ -268,6 +298,8 @@ impl Committer {
             txns_in_flight: 0,
             reads_in_flight: 0,
             inflight: Vec::new(),
+            markers: Markers::default(),
+            epoch: tokio::time::Instant::now(),
             closed: false,
         }
     }
@@ -304,6 +336,19 @@ impl Committer {
         // Anything left (only possible if tasks panicked) is answered by Completer drops.
     }
 
+    /// Operations (and compares) a transaction's members may use: a registered session's
+    /// transactions also compare its member key and carry its commit marker (a compare,
+    /// a put and sometimes a range delete).
+    fn ops_room(&self) -> usize {
+        let own = if self.cfg.registered { 2 } else { 0 };
+        self.cfg.batch_ops_max.saturating_sub(own).max(1)
+    }
+
+    /// Time since the committer started, for its own timers.
+    fn elapsed(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
     fn current_session(&self) -> SessionId {
         SessionId(self.session.load(Ordering::Acquire))
     }
@@ -328,6 +373,8 @@ impl Committer {
                 ino: None,
                 attempts: 0,
                 solo: false,
+                retry_until: None,
+                not_before: Duration::ZERO,
                 st: St::Plan,
                 needs: Vec::new(),
             },
@@ -546,13 +593,15 @@ impl Committer {
                 count: self.cfg.ino_batch,
             });
         }
+        let mono = self.elapsed();
         let ids: Vec<u64> = self
             .works
             .iter()
-            .filter(|(_, w)| matches!(w.st, St::Plan))
+            .filter(|(_, w)| matches!(w.st, St::Plan) && w.not_before <= mono)
             .map(|(&id, _)| id)
             .collect();
         let now = self.clock.wall();
+        let room = self.ops_room();
         for id in ids {
             let needs_ino = self
                 .works
@@ -588,8 +637,8 @@ impl Committer {
                         self.finish(id, Ok(o));
                         continue;
                     }
-                    let too_big = p.compares.len() > self.cfg.batch_ops_max
-                        || p.ops.len() > self.cfg.batch_ops_max
+                    let too_big = p.compares.len() > room
+                        || p.ops.len() > room
                         || plan_bytes(&p) > self.cfg.txn_bytes_max;
                     if too_big {
                         self.finish(id, Err(MetaError::TooBig));
@@ -663,6 +712,7 @@ impl Committer {
             .map(|(&id, _)| id)
             .collect();
         let mut ready = ready.into_iter().peekable();
+        let room = self.ops_room();
         while self.txns_in_flight < self.cfg.txns_in_flight_max && ready.peek().is_some() {
             let mut members: Vec<Member> = Vec::new();
             let (mut n_cmp, mut n_ops, mut bytes) = (0usize, 0usize, 0usize);
@@ -695,8 +745,8 @@ impl Committer {
                     blocked.extend(acc.iter().cloned());
                     continue;
                 }
-                let fits = n_cmp + p.compares.len() <= self.cfg.batch_ops_max
-                    && n_ops + p.ops.len() <= self.cfg.batch_ops_max
+                let fits = n_cmp + p.compares.len() <= room
+                    && n_ops + p.ops.len() <= room
                     && bytes + plan_bytes(p) <= self.cfg.txn_bytes_max;
                 if conflict(&batch_acc, acc)
                     || conflict(&deferred, acc)
@@ -775,6 +825,24 @@ impl Committer {
             }
         }
         txn.failure = failure_reqs.iter().cloned().map(TxnOp::Range).collect();
+        // Last, so that member op indices stay as planned.
+        let mut sent = Sent {
+            session,
+            marker: None,
+            cleaned_below: None,
+        };
+        if self.cfg.registered {
+            let seq = self.markers.begin(session);
+            let (cmp, put) = marker::marker_ops(&self.keys, session, seq);
+            txn.compares.push(cmp);
+            txn.success.push(put);
+            sent.marker = Some(seq);
+            if let Some(end) = self.markers.cleanable(session, self.elapsed()) {
+                let r = self.keys.txn_markers_below(session, end);
+                txn.success.push(TxnOp::delete_range(r.start, r.end, false));
+                sent.cleaned_below = Some(end);
+            }
+        }
         // In-flight batches are identified by their first member's id (unique: a work is
         // in at most one batch at a time).
         let first_id = members.first().map_or(0, |m| m.id);
@@ -806,6 +874,7 @@ impl Committer {
             TaskDone::Txn {
                 members,
                 failure_reqs,
+                sent,
                 result,
             }
         });
@@ -844,7 +913,7 @@ impl Committer {
                         let mut ids: Vec<u64> = reqs.iter().map(|(id, _)| *id).collect();
                         ids.dedup();
                         for id in ids {
-                            self.finish(id, Err(e.clone().into()));
+                            self.read_failed(id, e.clone());
                         }
                     }
                 }
@@ -852,16 +921,39 @@ impl Committer {
             TaskDone::Txn {
                 members,
                 failure_reqs,
+                sent,
                 result,
             } => {
-                self.txns_in_flight -= 1;
-                self.stats
-                    .txns_in_flight
-                    .store(self.txns_in_flight as u64, Ordering::Relaxed);
-                let first_id = members.first().map_or(0, |m| m.id);
-                self.inflight.retain(|(id, _)| *id != first_id);
+                if let (Err(e), Some(seq)) = (&result, sent.marker) {
+                    if !e.write_refused() {
+                        // Still in flight as far as conflicts go, until decided.
+                        log::warn!("etcd did not answer a commit ({e}); deciding it by its marker");
+                        self.stats.txns_unanswered.fetch_add(1, Ordering::Relaxed);
+                        let (kv, keys) = (self.kv.clone(), self.keys.clone());
+                        let budget = self.cfg.unanswered_budget;
+                        self.tasks.spawn(async move {
+                            let result =
+                                marker::resolve(&*kv, &keys, sent.session, seq, budget).await;
+                            TaskDone::Resolved {
+                                members,
+                                sent,
+                                result,
+                            }
+                        });
+                        return;
+                    }
+                }
+                self.txn_settled(&members);
+                if let Some(seq) = sent.marker {
+                    self.markers.answered(seq);
+                }
                 match result {
-                    Ok(resp) if resp.succeeded => self.on_committed(members, resp),
+                    Ok(resp) if resp.succeeded => {
+                        if let Some(end) = sent.cleaned_below {
+                            self.markers.cleaned(sent.session, end);
+                        }
+                        self.on_committed(members, resp);
+                    }
                     Ok(resp) => self.on_compare_failed(members, &failure_reqs, resp),
                     Err(KvError::TooManyOps | KvError::RequestTooLarge) if members.len() > 1 => {
                         // Our size estimate was off: resend each mutation on its own.
@@ -872,8 +964,15 @@ impl Committer {
                             }
                         }
                     }
+                    Err(KvError::LeaseNotFound) if sent.marker.is_some() => {
+                        // The marker is leased to the session: its lease is gone.
+                        for m in members {
+                            self.finish(m.id, Err(MetaError::SessionLost));
+                        }
+                    }
                     Err(e) => {
-                        // Unknown whether it applied: report, never blindly resend.
+                        // Refused, or sent without a marker (an unregistered pipeline):
+                        // report, never blindly resend.
                         self.stats.txn_errors.fetch_add(1, Ordering::Relaxed);
                         for m in members {
                             self.finish(m.id, Err(e.clone().into()));
@@ -881,7 +980,98 @@ impl Committer {
                     }
                 }
             }
+            TaskDone::Resolved {
+                members,
+                sent,
+                result,
+            } => {
+                self.txn_settled(&members);
+                let Some(seq) = sent.marker else { return };
+                match result {
+                    Ok(Resolution::Applied(revision)) => {
+                        self.markers.answered(seq);
+                        self.stats
+                            .unanswered_applied
+                            .fetch_add(1, Ordering::Relaxed);
+                        log::info!(
+                            "a commit whose answer was lost had applied (revision {revision})"
+                        );
+                        if let Some(end) = sent.cleaned_below {
+                            self.markers.cleaned(sent.session, end);
+                        }
+                        let resp = TxnResponse {
+                            succeeded: true,
+                            revision,
+                            responses: Vec::new(),
+                        };
+                        self.on_committed(members, resp);
+                    }
+                    Ok(Resolution::NotApplied) => {
+                        self.markers
+                            .hold(seq, self.elapsed() + marker::GIVEN_UP_HOLD);
+                        self.stats.unanswered_resent.fetch_add(1, Ordering::Relaxed);
+                        log::info!("a commit whose answer was lost had not applied: resending");
+                        for m in members {
+                            if let Some(w) = self.works.get_mut(&m.id) {
+                                w.st = St::Ready(Box::new(m.plan), m.accesses);
+                            }
+                        }
+                    }
+                    Ok(Resolution::SessionLost) => {
+                        self.markers.answered(seq);
+                        for m in members {
+                            self.finish(m.id, Err(MetaError::SessionLost));
+                        }
+                    }
+                    Err(e) => {
+                        // Still unknown: the application gets EIO, as for any I/O error
+                        // whose effect is unknown. Its marker stays, blocking a late copy.
+                        self.markers
+                            .hold(seq, self.elapsed() + marker::GIVEN_UP_HOLD);
+                        self.stats.txn_errors.fetch_add(1, Ordering::Relaxed);
+                        log::error!(
+                            "the outcome of a commit stays unknown after {:?}: {e}",
+                            self.cfg.unanswered_budget
+                        );
+                        for m in members {
+                            self.finish(m.id, Err(e.clone().into()));
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    /// A commit transaction is answered or decided: its slot and its members' keys are
+    /// free for the next.
+    fn txn_settled(&mut self, members: &[Member]) {
+        self.txns_in_flight -= 1;
+        self.stats
+            .txns_in_flight
+            .store(self.txns_in_flight as u64, Ordering::Relaxed);
+        let first_id = members.first().map_or(0, |m| m.id);
+        self.inflight.retain(|(id, _)| *id != first_id);
+    }
+
+    /// A batched read failed: etcd's errors of reachability are retried (plans are
+    /// redone from a fresh view after a pause) until the work's budget is spent.
+    fn read_failed(&mut self, id: u64, e: KvError) {
+        let now = self.elapsed();
+        let budget = self.cfg.unanswered_budget;
+        let Some(w) = self.works.get_mut(&id) else {
+            return;
+        };
+        let until = *w.retry_until.get_or_insert(now + budget);
+        if matches!(e, KvError::Unavailable(_)) && now < until {
+            self.stats.read_retries.fetch_add(1, Ordering::Relaxed);
+            w.snap.clear();
+            w.snap_rev = 0;
+            w.needs.clear();
+            w.st = St::Plan;
+            w.not_before = now + READ_RETRY_PAUSE;
+            return;
+        }
+        self.finish(id, Err(e.into()));
     }
 
     fn on_committed(&mut self, members: Vec<Member>, resp: TxnResponse) {

@@ -3,6 +3,7 @@
 //! for the model and `docs/pipeline.md` for the stages.
 
 pub mod commit;
+mod marker;
 pub mod mutation;
 pub mod own;
 pub mod plan;
@@ -79,6 +80,10 @@ pub struct Config {
     /// a regular file takes its cache lock under that lease, and every transaction compares
     /// the membership key, so that nothing commits once the lease is gone.
     pub registered: bool,
+    /// How long a read that etcd did not answer, or a commit whose answer was lost, is
+    /// retried (and the lost answer decided, see `marker.rs`) before the mutation fails
+    /// with `Unavailable`: long enough to ride out an etcd leader election.
+    pub unanswered_budget: std::time::Duration,
 }
 
 impl Default for Config {
@@ -98,6 +103,7 @@ impl Default for Config {
             reads_queued_max: 4096,
             groups: None,
             registered: false,
+            unanswered_budget: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -137,6 +143,14 @@ pub struct Stats {
     pub pending: AtomicU64,
     /// Transactions in flight (gauge).
     pub txns_in_flight: AtomicU64,
+    /// Commit transactions whose answer was lost (decided through their marker).
+    pub txns_unanswered: AtomicU64,
+    /// Of those, found committed.
+    pub unanswered_applied: AtomicU64,
+    /// Of those, given up and resent.
+    pub unanswered_resent: AtomicU64,
+    /// Reads retried after etcd did not answer.
+    pub read_retries: AtomicU64,
 }
 
 /// A plain copy of [`Stats`].
@@ -174,6 +188,14 @@ pub struct StatsSnapshot {
     pub pending: u64,
     /// See [`Stats::txns_in_flight`].
     pub txns_in_flight: u64,
+    /// See [`Stats::txns_unanswered`].
+    pub txns_unanswered: u64,
+    /// See [`Stats::unanswered_applied`].
+    pub unanswered_applied: u64,
+    /// See [`Stats::unanswered_resent`].
+    pub unanswered_resent: u64,
+    /// See [`Stats::read_retries`].
+    pub read_retries: u64,
 }
 
 impl StatsSnapshot {
@@ -222,6 +244,10 @@ impl Stats {
             }),
             pending: l(&self.pending),
             txns_in_flight: l(&self.txns_in_flight),
+            txns_unanswered: l(&self.txns_unanswered),
+            unanswered_applied: l(&self.unanswered_applied),
+            unanswered_resent: l(&self.unanswered_resent),
+            read_retries: l(&self.read_retries),
         }
     }
 }
@@ -451,7 +477,13 @@ impl Pipeline {
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok((rt.handle().clone(), backend.clone())));
+                // Everyone else's reads ride out a short outage; the committer decides
+                // its own (see commit.rs, marker.rs).
+                let patient: Arc<dyn KvBackend> = Arc::new(crate::patient::PatientReads::new(
+                    backend.clone(),
+                    c2.unanswered_budget,
+                ));
+                let _ = ready_tx.send(Ok((rt.handle().clone(), patient)));
                 let mut c2 = c2;
                 let id = match session {
                     SessionSource::Fixed(id) => id,
