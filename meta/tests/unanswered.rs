@@ -285,7 +285,7 @@ fn seed() -> u64 {
     let seed = std::env::var("META_LOSSY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::random());
+        .unwrap_or_else(rand::random);
     println!("META_LOSSY_SEED={seed}");
     seed
 }
