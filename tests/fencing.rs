@@ -12,9 +12,8 @@ mod common;
 use std::{
     fs::{self, File, OpenOptions},
     io::Read as _,
-    net::TcpListener,
     os::unix::fs::{FileExt as _, OpenOptionsExt as _},
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Stdio},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -24,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{can_run, errno_of, loud, signal, wait_bounded, Daemon, TestFs};
+use common::{can_run, errno_of, signal, wait_bounded, Daemon, EtcdCluster, TestFs};
 
 const TTL: &str = "4";
 /// Longer than the lease, with room for etcd to notice it expired.
@@ -288,87 +287,15 @@ fn a_frozen_node_never_writes_after_its_lease_and_rejoins() {
     }
 }
 
-/// A private single-member etcd the test can stop and start again on the same data.
-struct Etcd {
-    dir: PathBuf,
-    client: String,
-    peer: String,
-    child: Option<Child>,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-impl Etcd {
-    fn start(label: &str) -> Etcd {
-        let dir = common::temp_base(label);
-        let mut e = Etcd {
-            client: format!("http://127.0.0.1:{}", free_port()),
-            peer: format!("http://127.0.0.1:{}", free_port()),
-            dir,
-            child: None,
-        };
-        e.run();
-        e
-    }
-
-    fn run(&mut self) {
-        let log = File::create(self.dir.join("etcd.log")).expect("etcd log");
-        let child = Command::new("etcd")
-            .args(["--name", "solo", "--data-dir"])
-            .arg(self.dir.join("data"))
-            .args(["--listen-client-urls", &self.client])
-            .args(["--advertise-client-urls", &self.client])
-            .args(["--listen-peer-urls", &self.peer])
-            .args(["--initial-advertise-peer-urls", &self.peer])
-            .args(["--initial-cluster", &format!("solo={}", self.peer)])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("dup"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn etcd");
-        self.child = Some(child);
-        let start = Instant::now();
-        let addr = self.client.trim_start_matches("http://").to_string();
-        while std::net::TcpStream::connect(&addr).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "etcd did not start"
-            );
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            signal(&mut c, "KILL");
-            if wait_bounded(&mut c, Duration::from_secs(10)).is_none() {
-                loud(&format!("etcd pid {} survives SIGKILL", c.id()));
-            }
-        }
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = fs::remove_dir_all(&self.dir);
-    }
-}
-
 #[test]
 fn a_node_cut_off_from_etcd_past_its_lease_fences_itself_and_rejoins() {
     let test = "etcd_outage";
-    if !can_run(test, None) || Command::new("etcd").arg("--version").output().is_err() {
+    if !can_run(test, None) || !EtcdCluster::available() {
         common::skip(test, "needs root, FUSE and the etcd binary");
         return;
     }
-    let mut etcd = Etcd::start(test);
-    let mut fs = TestFs::blank(test, &etcd.client, 256 << 20);
+    let mut etcd = EtcdCluster::start(test, 1);
+    let mut fs = TestFs::blank(test, &etcd.endpoints(), 256 << 20);
     fs.mkfs();
     let a = fs.mount_node("a", "auto", &["--lease-ttl", TTL]);
     let p = a.path("f");
@@ -380,7 +307,7 @@ fn a_node_cut_off_from_etcd_past_its_lease_fences_itself_and_rejoins() {
         .open(&p)
         .expect("open before the outage");
 
-    etcd.stop();
+    etcd.stop(0);
     thread::sleep(PAST_THE_LEASE);
     // Fenced: a write on the open file fails, and so does its fsync.
     let w = old.write_all_at(b"late", 0);
@@ -390,7 +317,7 @@ fn a_node_cut_off_from_etcd_past_its_lease_fences_itself_and_rejoins() {
         "a write after the fence:\n{}",
         a.log_text()
     );
-    etcd.run();
+    etcd.run(0);
     let back = wait_rejoined(&a, "g", Duration::from_secs(30));
     eprintln!("served again {back:?} after etcd came back");
     // Files opened before keep failing; a new open sees every fsync'd byte.

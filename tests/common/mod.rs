@@ -1302,3 +1302,163 @@ pub(crate) fn statfs_blocks(mnt: &Path) -> (u64, u64) {
     assert_eq!(v[2], 4096, "statfs block size");
     (v[0], v[1])
 }
+
+// ---------------------------------------------------------------------------------------
+// A private etcd cluster the test can kill and restart
+// ---------------------------------------------------------------------------------------
+
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// One member of an [`EtcdCluster`].
+struct EtcdMember {
+    name: String,
+    client: String,
+    peer: String,
+    child: Option<Child>,
+}
+
+/// A private etcd of one or more members on loopback, each its own process on its own
+/// data directory, so that a test can kill a leader or a majority and start them again.
+pub(crate) struct EtcdCluster {
+    dir: PathBuf,
+    members: Vec<EtcdMember>,
+}
+
+impl EtcdCluster {
+    /// Whether the etcd binary is here.
+    pub(crate) fn available() -> bool {
+        Command::new("etcd").arg("--version").output().is_ok()
+    }
+
+    /// Starts `n` members and waits until the cluster answers.
+    pub(crate) fn start(label: &str, n: usize) -> EtcdCluster {
+        let dir = temp_base(label);
+        let members: Vec<EtcdMember> = (0..n)
+            .map(|i| EtcdMember {
+                name: format!("m{i}"),
+                client: format!("http://127.0.0.1:{}", free_port()),
+                peer: format!("http://127.0.0.1:{}", free_port()),
+                child: None,
+            })
+            .collect();
+        let mut c = EtcdCluster { dir, members };
+        for i in 0..n {
+            c.run(i);
+        }
+        c.wait_healthy(Duration::from_secs(30));
+        c
+    }
+
+    /// Every member's client URL, comma-separated (as `--etcd` takes them).
+    pub(crate) fn endpoints(&self) -> String {
+        let urls: Vec<&str> = self.members.iter().map(|m| m.client.as_str()).collect();
+        urls.join(",")
+    }
+
+    /// Starts member `i` (again, on its data, after [`EtcdCluster::stop`]).
+    pub(crate) fn run(&mut self, i: usize) {
+        let initial: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer))
+            .collect();
+        let m = &self.members[i];
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{}.log", m.name)))
+            .expect("etcd log");
+        let child = Command::new("etcd")
+            .args(["--name", &m.name, "--data-dir"])
+            .arg(self.dir.join(&m.name))
+            .args(["--listen-client-urls", &m.client])
+            .args(["--advertise-client-urls", &m.client])
+            .args(["--listen-peer-urls", &m.peer])
+            .args(["--initial-advertise-peer-urls", &m.peer])
+            .args(["--initial-cluster", &initial.join(",")])
+            .args(["--initial-cluster-token", "etcfs-test"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd");
+        self.members[i].child = Some(child);
+        let addr = self.members[i].client.trim_start_matches("http://").to_string();
+        let start = Instant::now();
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "etcd member {i} did not start"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills member `i` (SIGKILL: as a crash).
+    pub(crate) fn stop(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            signal(&mut c, "KILL");
+            if wait_bounded(&mut c, Duration::from_secs(10)).is_none() {
+                loud(&format!("etcd pid {} survives SIGKILL", c.id()));
+            }
+        }
+    }
+
+    /// Waits until every running member reports healthy (a leader exists).
+    pub(crate) fn wait_healthy(&self, within: Duration) {
+        let start = Instant::now();
+        loop {
+            let (out, _) = run_bounded(
+                Command::new("etcdctl")
+                    .args(["--endpoints", &self.endpoints(), "--command-timeout", "2s"])
+                    .args(["endpoint", "health", "--cluster=false"]),
+                Duration::from_secs(10),
+            );
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            let running = self.members.iter().filter(|m| m.child.is_some()).count();
+            if text.matches("is healthy").count() >= running {
+                return;
+            }
+            assert!(start.elapsed() < within, "etcd not healthy: {text}");
+            thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The index of the current leader.
+    pub(crate) fn leader(&self) -> usize {
+        let (out, _) = run_bounded(
+            Command::new("etcdctl")
+                .args(["--endpoints", &self.endpoints(), "--command-timeout", "2s"])
+                .args(["endpoint", "status", "-w", "json"]),
+            Duration::from_secs(10),
+        );
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).expect("etcdctl endpoint status json");
+        let rows = v.as_array().expect("one row per endpoint");
+        for row in rows {
+            let id = &row["Status"]["header"]["member_id"];
+            if *id == row["Status"]["leader"] {
+                let ep = row["Endpoint"].as_str().unwrap_or_default();
+                if let Some(i) = self.members.iter().position(|m| m.client == ep) {
+                    return i;
+                }
+            }
+        }
+        panic!("no leader in {v}");
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.stop(i);
+        }
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
