@@ -127,9 +127,9 @@ use crate::data::{
 const WAITERS_PER_CORE: usize = 8;
 /// Fewest waiter threads (enough for the pipeline to group concurrent operations).
 const WAITERS_MIN: usize = 16;
-/// Operations queued for the waiters; past it the core runs the operation itself (the
-/// back-pressure a full pipeline should exert).
-const WAITER_QUEUE_MAX: usize = 1024;
+/// Operations queued for the waiters (EAGAIN past it, see pool.rs): above what the
+/// transports hold in flight on up to 128 CPUs (32 ring entries or slots each).
+const WAITER_QUEUE_MAX: usize = 4096;
 /// Open directory handles at once (EMFILE past it).
 const DIR_HANDLES_MAX: usize = 65536;
 /// Cookie → name entries one directory handle remembers; past it the oldest half is

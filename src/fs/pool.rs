@@ -1,11 +1,18 @@
 //! The waiter threads: they run operations that wait for etcd, so cores never do.
 //!
 //! A core takes the request's deferred reply, queues the operation here and goes on
-//! serving. The queue is bounded (`queue_max` operations); when it is full the core runs
-//! the operation itself, which is the back-pressure an overloaded pipeline should exert.
+//! serving. The queue is bounded (`queue_max` operations). It is sized above what the
+//! transports can have in flight (every queued operation holds a ring entry or a
+//! `/dev/fuse` slot until answered), so it fills only on a machine with more CPUs than it
+//! was sized for; then the operation is answered EAGAIN at once: a core never runs an
+//! operation that waits for etcd, which would stall every request of its queue behind one
+//! that waits for a slow etcd.
 
 use std::{
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, PoisonError,
+    },
     thread::JoinHandle,
 };
 
@@ -14,12 +21,18 @@ use fusedev::{errno::Errno, server::DeferredReply};
 
 use super::{Done, Inner};
 
-type Job = Box<dyn FnOnce(&Inner) + Send>;
+/// An operation and the reply it answers.
+struct Job {
+    reply: DeferredReply,
+    op: Box<dyn FnOnce(&Inner) -> Result<Done, Errno> + Send>,
+}
 
 pub(crate) struct Pool {
     tx: Mutex<Option<Sender<Job>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     inner: Arc<Inner>,
+    /// Operations answered EAGAIN because the queue was full.
+    refused: AtomicU64,
 }
 
 fn complete(d: DeferredReply, r: Result<Done, Errno>) {
@@ -41,7 +54,7 @@ impl Pool {
                     .name(format!("etcfs-wait-{n}"))
                     .spawn(move || {
                         while let Ok(job) = rx.recv() {
-                            job(&inner);
+                            complete(job.reply, (job.op)(&inner));
                         }
                     })
                     .map_err(|e| log::error!("spawning waiter thread {n}: {e}"))
@@ -52,29 +65,49 @@ impl Pool {
             tx: Mutex::new(Some(tx)),
             threads: Mutex::new(handles),
             inner,
+            refused: AtomicU64::new(0),
         }
     }
 
-    /// Runs `f` on a waiter (or here when the queue is full or the pool stopped) and
-    /// answers `d` with its result.
+    /// Operations refused so far because the queue was full.
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on a waiter and answers `d` with its result; EAGAIN when the queue is
+    /// full. After the pool stopped (unmount), `f` runs here: nothing else would.
     pub(crate) fn run<F>(&self, d: DeferredReply, f: F)
     where
         F: FnOnce(&Inner) -> Result<Done, Errno> + Send + 'static,
     {
-        let job: Job = Box::new(move |i: &Inner| complete(d, f(i)));
         let tx = self
             .tx
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let job = match tx {
-            Some(tx) => match tx.try_send(job) {
-                Ok(()) => return,
-                Err(TrySendError::Full(j) | TrySendError::Disconnected(j)) => j,
-            },
-            None => job,
+        let Some(tx) = tx else {
+            complete(d, f(&self.inner));
+            return;
         };
-        job(&self.inner);
+        let job = Job {
+            reply: d,
+            op: Box::new(f),
+        };
+        match tx.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
+                let n = self.refused.fetch_add(1, Ordering::Relaxed);
+                if n.is_power_of_two() || n == 0 {
+                    log::warn!(
+                        "waiter queue full ({} operations wait for etcd): answering EAGAIN \
+                         ({} so far)",
+                        tx.capacity().unwrap_or(0),
+                        n + 1
+                    );
+                }
+                job.reply.error(Errno::EAGAIN);
+            }
+        }
     }
 
     /// Lets queued operations finish and stops the threads.
