@@ -140,7 +140,9 @@ fn a_lost_etcd_majority_fails_operations_in_seconds_and_they_work_again_after() 
     let a = fs.mount_node("a", "auto", &["--lease-ttl", "60"]);
     let cached = a.path("cached");
     fs::write(&cached, content(1)).expect("write");
-    File::open(&cached).and_then(|f| f.sync_all()).expect("fsync");
+    File::open(&cached)
+        .and_then(|f| f.sync_all())
+        .expect("fsync");
     assert_eq!(fs::read(&cached).expect("read"), content(1));
     // Open across the outage: an open registers the node as a holder in etcd, so what
     // the node holds is an open file (and the attributes it caches).
@@ -172,7 +174,10 @@ fn a_lost_etcd_majority_fails_operations_in_seconds_and_they_work_again_after() 
     let mut got = vec![0u8; 16 * 1024];
     held.read_exact_at(&mut got, 0).expect("read an open file");
     assert!(got == content(1), "what the open file reads");
-    eprintln!("cached stat and read with the majority down: {:?}", t.elapsed());
+    eprintln!(
+        "cached stat and read with the majority down: {:?}",
+        t.elapsed()
+    );
 
     for &i in &down {
         etcd.run(i);
@@ -192,10 +197,54 @@ fn a_lost_etcd_majority_fails_operations_in_seconds_and_they_work_again_after() 
             }
         }
     }
-    eprintln!("served again {:?} after the majority came back", t.elapsed());
+    eprintln!(
+        "served again {:?} after the majority came back",
+        t.elapsed()
+    );
     assert_eq!(fs::read(a.path("after")).expect("read"), b"back");
     assert_eq!(fs::read(&cached).expect("read"), content(1));
     drop(held);
+    drop(a);
+    drop(fs);
+}
+
+/// etcd's space quota reached: the filesystem answers ENOSPC (not EIO), the log names
+/// etcd's quota as the cause and what to do, and reads keep working.
+#[test]
+fn etcd_quota_alarm_is_enospc_with_a_log_line_that_says_so() {
+    let test = "etcd_quota";
+    if !can_run(test, None) || !EtcdCluster::available() {
+        common::skip(test, "needs root, FUSE and the etcd binary");
+        return;
+    }
+    let etcd = EtcdCluster::start_with(test, 1, &["--quota-backend-bytes", "16777216"]);
+    let mut fs = TestFs::blank(test, &etcd.endpoints(), 256 << 20);
+    fs.mkfs();
+    let a = fs.mount_node("a", "auto", &[]);
+    let value = "v".repeat(60 * 1024);
+    let mut errno = None;
+    let mut made = 0;
+    for i in 0..2000 {
+        let p = a.path(&format!("x{i}"));
+        let r = File::create(&p).and_then(|_| {
+            common::helper(&["setxattr", &p.to_string_lossy(), "user.fill", &value, "0"])
+                .map(|_| ())
+                .map_err(std::io::Error::from_raw_os_error)
+        });
+        if let Err(e) = r {
+            errno = e.raw_os_error();
+            break;
+        }
+        made += 1;
+    }
+    eprintln!("{made} files with a 60 KiB xattr before etcd was full");
+    assert_eq!(errno, Some(libc::ENOSPC), "{}", a.log_text());
+    let log = a.log_text();
+    assert!(
+        log.contains("metadata store full") && log.contains("etcdctl alarm disarm"),
+        "the log says etcd's quota is the cause:\n{log}"
+    );
+    assert!(fs::metadata(a.path("x0")).is_ok(), "reads keep working");
     drop(a);
     drop(fs);
 }

@@ -1327,6 +1327,8 @@ struct EtcdMember {
 pub(crate) struct EtcdCluster {
     dir: PathBuf,
     members: Vec<EtcdMember>,
+    /// More etcd flags, for every member.
+    extra: Vec<String>,
 }
 
 impl EtcdCluster {
@@ -1337,6 +1339,11 @@ impl EtcdCluster {
 
     /// Starts `n` members and waits until the cluster answers.
     pub(crate) fn start(label: &str, n: usize) -> EtcdCluster {
+        EtcdCluster::start_with(label, n, &[])
+    }
+
+    /// [`EtcdCluster::start`] with more etcd flags.
+    pub(crate) fn start_with(label: &str, n: usize, extra: &[&str]) -> EtcdCluster {
         let dir = temp_base(label);
         let members: Vec<EtcdMember> = (0..n)
             .map(|i| EtcdMember {
@@ -1346,7 +1353,11 @@ impl EtcdCluster {
                 child: None,
             })
             .collect();
-        let mut c = EtcdCluster { dir, members };
+        let mut c = EtcdCluster {
+            dir,
+            members,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         for i in 0..n {
             c.run(i);
         }
@@ -1382,13 +1393,17 @@ impl EtcdCluster {
             .args(["--initial-advertise-peer-urls", &m.peer])
             .args(["--initial-cluster", &initial.join(",")])
             .args(["--initial-cluster-token", "etcfs-test"])
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup"))
             .stderr(log)
             .spawn()
             .expect("spawn etcd");
         self.members[i].child = Some(child);
-        let addr = self.members[i].client.trim_start_matches("http://").to_string();
+        let addr = self.members[i]
+            .client
+            .trim_start_matches("http://")
+            .to_string();
         let start = Instant::now();
         while std::net::TcpStream::connect(&addr).is_err() {
             assert!(
