@@ -79,7 +79,10 @@ fn map_err(e: etcd_client::Error) -> KvError {
             } else if matches!(
                 s.code(),
                 tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
-            ) {
+            ) || (s.code() == tonic::Code::Unknown && msg.contains("transport error"))
+            {
+                // tonic reports a connection that broke mid-request (a member killed) as
+                // an unknown status "transport error": etcd is unreachable, not erring.
                 KvError::Unavailable(msg)
             } else {
                 KvError::Other(msg)

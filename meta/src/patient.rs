@@ -19,6 +19,8 @@ use crate::{
 /// Pause before the first retry; it doubles up to [`PAUSE_MAX`].
 const PAUSE_FIRST: Duration = Duration::from_millis(50);
 const PAUSE_MAX: Duration = Duration::from_millis(400);
+/// How long the first attempt waits for an answer.
+const ATTEMPT_FIRST: Duration = Duration::from_secs(1);
 
 /// Wraps a backend, retrying unanswered reads for up to `budget` in all.
 pub struct PatientReads {
@@ -38,8 +40,19 @@ impl PatientReads {
     {
         let start = tokio::time::Instant::now();
         let mut pause = PAUSE_FIRST;
+        let mut wait = ATTEMPT_FIRST;
         loop {
-            match attempt().await {
+            // A request stuck behind a dead leader is abandoned and sent again (to a live
+            // member) rather than waited out; each attempt may wait twice as long as the
+            // last, so a slow but working etcd still answers a large read.
+            let left = self.budget.saturating_sub(start.elapsed());
+            let limit = wait.min(left);
+            wait = (wait * 2).min(self.budget);
+            let answer = match tokio::time::timeout(limit, attempt()).await {
+                Ok(a) => a,
+                Err(_) => Err(KvError::Unavailable(format!("no answer within {limit:?}"))),
+            };
+            match answer {
                 Err(KvError::Unavailable(why)) if start.elapsed() + pause < self.budget => {
                     log::debug!("etcd did not answer a read ({why}); trying again");
                     tokio::time::sleep(pause).await;

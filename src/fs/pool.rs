@@ -21,10 +21,13 @@ use fusedev::{errno::Errno, server::DeferredReply};
 
 use super::{Done, Inner};
 
+/// An operation run on a waiter.
+type Op = Box<dyn FnOnce(&Inner) -> Result<Done, Errno> + Send>;
+
 /// An operation and the reply it answers.
 struct Job {
     reply: DeferredReply,
-    op: Box<dyn FnOnce(&Inner) -> Result<Done, Errno> + Send>,
+    op: Op,
 }
 
 pub(crate) struct Pool {

@@ -861,8 +861,18 @@ impl Committer {
             .collect();
         let (kv, own) = (self.kv.clone(), self.own.clone());
         let seq = own.sent();
+        let wait = if self.cfg.registered {
+            // Past this the marker decides: cheaper than waiting out a dead leader.
+            self.cfg.commit_answer_wait
+        } else {
+            // No marker to decide by: the backend's own request timeout bounds it.
+            Duration::from_secs(24 * 3600)
+        };
         self.tasks.spawn(async move {
-            let result = kv.txn(txn).await;
+            let result = match tokio::time::timeout(wait, kv.txn(txn)).await {
+                Ok(r) => r,
+                Err(_) => Err(KvError::Unavailable(format!("no answer within {wait:?}"))),
+            };
             // Recorded here, not when the committer gets to it: the watch may be waiting.
             match &result {
                 Ok(r) if changed_something(r) => {
@@ -1010,7 +1020,7 @@ impl Committer {
                         self.markers
                             .hold(seq, self.elapsed() + marker::GIVEN_UP_HOLD);
                         self.stats.unanswered_resent.fetch_add(1, Ordering::Relaxed);
-                        log::info!("a commit whose answer was lost had not applied: resending");
+                        log::debug!("a commit whose answer was lost had not applied: resending");
                         for m in members {
                             if let Some(w) = self.works.get_mut(&m.id) {
                                 w.st = St::Ready(Box::new(m.plan), m.accesses);

@@ -34,6 +34,8 @@ use crate::{
 pub(crate) const GIVEN_UP: &[u8] = b"x";
 /// How long a given-up marker outlives its resolution.
 pub(crate) const GIVEN_UP_HOLD: Duration = Duration::from_secs(60);
+/// How long the first attempt to decide waits for etcd (later ones wait twice as long).
+pub(crate) const ATTEMPT_FIRST: Duration = Duration::from_secs(1);
 /// Answered markers are deleted once this many have gathered (one range delete each time).
 pub(crate) const CLEAN_EVERY: u64 = 32;
 
@@ -146,12 +148,17 @@ pub(crate) async fn resolve(
     };
     let start = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(50);
+    let mut wait = ATTEMPT_FIRST;
     loop {
+        // Short attempts: a request stuck behind a dead leader is abandoned and sent
+        // again (to a live member) rather than waited out. Safe, since it is idempotent.
         let left = budget.saturating_sub(start.elapsed());
-        let answer = match tokio::time::timeout(left, kv.txn(txn.clone())).await {
+        let attempt = wait.min(left);
+        wait = (wait * 2).min(budget);
+        let answer = match tokio::time::timeout(attempt, kv.txn(txn.clone())).await {
             Ok(a) => a,
             Err(_) => Err(KvError::Unavailable(format!(
-                "no answer within {budget:?} while deciding a commit whose answer was lost"
+                "no answer within {attempt:?} while deciding a commit whose answer was lost"
             ))),
         };
         match answer {

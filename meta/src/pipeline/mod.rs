@@ -84,6 +84,10 @@ pub struct Config {
     /// retried (and the lost answer decided, see `marker.rs`) before the mutation fails
     /// with `Unavailable`: long enough to ride out an etcd leader election.
     pub unanswered_budget: std::time::Duration,
+    /// How long a registered session waits for a commit's answer before deciding it by
+    /// its marker (a proposal lost with a dead leader is otherwise waited out for the
+    /// whole request timeout).
+    pub commit_answer_wait: std::time::Duration,
 }
 
 impl Default for Config {
@@ -104,6 +108,7 @@ impl Default for Config {
             groups: None,
             registered: false,
             unanswered_budget: std::time::Duration::from_secs(5),
+            commit_answer_wait: std::time::Duration::from_secs(2),
         }
     }
 }
