@@ -29,6 +29,11 @@ pub enum KvError {
     /// The lease does not exist (expired or revoked).
     #[error("lease not found")]
     LeaseNotFound,
+    /// etcd refused the credentials or the request: a wrong user or password, no user
+    /// given to an etcd with authentication on, or a role without permission. Retrying
+    /// does not help, so it is not [`KvError::Unavailable`].
+    #[error("etcd refused access: {0}")]
+    Auth(String),
     /// Anything else etcd reported.
     #[error("etcd error: {0}")]
     Other(String),
@@ -83,6 +88,9 @@ pub enum MetaError {
     /// etcd is unreachable or timed out; nothing is known about whether it applied.
     #[error("metadata store unavailable: {0}")]
     Unavailable(String),
+    /// etcd refused this client's credentials or the request ([`KvError::Auth`]).
+    #[error("etcd refused access: {0}")]
+    Denied(String),
     /// The session the work was begun under has lost its lease (or the node gave it up
     /// at its fence): nothing of it may commit. The node serves again under a new one.
     #[error("this node's session has ended")]
@@ -100,6 +108,7 @@ impl From<KvError> for MetaError {
         match e {
             KvError::Unavailable(s) => MetaError::Unavailable(s),
             KvError::TooManyOps | KvError::RequestTooLarge => MetaError::TooBig,
+            KvError::Auth(s) => MetaError::Denied(s),
             other => MetaError::Unavailable(other.to_string()),
         }
     }
