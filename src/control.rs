@@ -98,6 +98,13 @@ fn allowed(peer: u32, owner: u32) -> bool {
 
 fn answer(conn: UnixStream, owner: u32, report: &ReportFn) -> std::io::Result<()> {
     let peer = rustix::net::sockopt::socket_peercred(&conn)?.uid.as_raw();
+    // The request is read even from a refused peer: closing with it unread would reset the
+    // connection, and the peer would see that instead of the refusal.
+    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut line = String::new();
+    BufReader::new(conn.try_clone()?)
+        .take(64)
+        .read_line(&mut line)?;
     if !allowed(peer, owner) {
         let who = if owner == 0 {
             "root".to_owned()
@@ -109,11 +116,6 @@ fn answer(conn: UnixStream, owner: u32, report: &ReportFn) -> std::io::Result<()
                 .as_bytes(),
         );
     }
-    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut line = String::new();
-    BufReader::new(conn.try_clone()?)
-        .take(64)
-        .read_line(&mut line)?;
     let json = line.trim() == "json";
     (&conn).write_all(report(json).as_bytes())
 }
@@ -138,9 +140,7 @@ pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
         ),
     };
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    // A refused peer is answered at once and may find the connection closed before it
-    // writes its request; the answer is still there to read.
-    let _ = conn.write_all(if json { b"json\n" } else { b"text\n" });
+    conn.write_all(if json { b"json\n" } else { b"text\n" })?;
     let mut out = String::new();
     conn.read_to_string(&mut out)
         .context("read the daemon's report")?;

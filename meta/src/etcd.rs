@@ -139,7 +139,13 @@ fn map_err(e: etcd_client::Error) -> KvError {
     use etcd_client::Error as E;
     match e {
         E::GRpcStatus(s) => {
-            let msg = s.message().to_owned();
+            // A connection that failed (a TLS alert, a plaintext server) is a status that
+            // says only "transport error"; its cause says what went wrong.
+            let msg = match std::error::Error::source(&s).map(with_causes) {
+                Some(causes) if causes.starts_with(s.message()) => causes,
+                Some(causes) => format!("{}: {causes}", s.message()),
+                None => s.message().to_owned(),
+            };
             if msg.contains("too many operations") {
                 KvError::TooManyOps
             } else if msg.contains("request is too large") {
@@ -428,14 +434,30 @@ impl EtcdBackend {
 fn tls_hint(cfg: &EtcdConfig, e: &KvError) -> &'static str {
     let text = e.to_string().to_lowercase();
     let https = cfg.endpoints.iter().any(|e| e.starts_with("https://"));
-    if !https {
+    let no_client_cert = cfg.tls.as_ref().is_some_and(|t| t.identity.is_none());
+    if text.contains("connection refused") {
         ""
+    } else if !https {
+        if text.contains("transport error") {
+            " (if this etcd serves TLS, give the endpoints as https:// with --etcd-cacert)"
+        } else {
+            ""
+        }
+    } else if no_client_cert
+        && [
+            "badcertificate",
+            "certificaterequired",
+            "broken pipe",
+            "connection closed",
+        ]
+        .iter()
+        .any(|w| text.contains(w))
+    {
+        " (the server asks for a client certificate: give --etcd-cert and --etcd-key)"
     } else if text.contains("certificate") || text.contains("tls") || text.contains("handshake") {
         " (TLS handshake failed: check that --etcd-cacert signed the server's certificate, \
          that the certificate names the endpoint's host, and that --etcd-cert/--etcd-key are \
          a client certificate the server's CA trusts)"
-    } else if cfg.tls.as_ref().is_some_and(|t| t.identity.is_none()) {
-        " (if the server requires client certificates, give --etcd-cert and --etcd-key)"
     } else {
         ""
     }
