@@ -528,7 +528,9 @@ fn password_authentication() {
     d.expect_exit("SIGTERM");
 
     // Refusals: clear, quick, and without the password.
-    let cases: Vec<(Vec<String>, Vec<(&str, &str)>, &str)> = vec![
+    // (--etcd-* options, environment, what the error must say)
+    type Case<'a> = (Vec<String>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
         (
             strings(&["--etcd-user", "root"]),
             vec![("ETCFS_ETCD_PASSWORD", "wrong-password-5d1c")],
