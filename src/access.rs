@@ -48,11 +48,14 @@ impl EtcdAccess {
             || self.etcd_password_file.is_some()
     }
 
-    /// The connection settings for `endpoints` with these options: files read and checked
-    /// here, so that a missing file or a missing password is named before any connection.
-    pub(crate) fn config(&self, endpoints: &[String]) -> Result<EtcdConfig> {
+    /// The connection settings for `endpoints` with these options, for the filesystem
+    /// under `prefix`: files read and checked here, so that a missing file or a missing
+    /// password is named before any connection.
+    pub(crate) fn config(&self, endpoints: &[String], prefix: &str) -> Result<EtcdConfig> {
         let env_password = std::env::var(PASSWORD_ENV).ok();
-        self.config_with(endpoints, env_password)
+        let mut cfg = self.config_with(endpoints, env_password)?;
+        cfg.probe_key = probe_key(prefix);
+        Ok(cfg)
     }
 
     fn config_with(
@@ -131,6 +134,12 @@ impl EtcdAccess {
         }
         Ok(cfg)
     }
+}
+
+/// The key a connection reads first: `<prefix>/` itself, which no record uses and which
+/// a role granted the filesystem's prefix (`<prefix>/`) covers.
+pub(crate) fn probe_key(prefix: &str) -> Vec<u8> {
+    format!("{prefix}/").into_bytes()
 }
 
 /// A PEM file's contents, checked to hold a block of `kind`.

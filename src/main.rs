@@ -84,7 +84,7 @@ pub(crate) struct ClusterArgs {
 impl ClusterArgs {
     /// How to reach etcd (TLS files and the password read and checked).
     pub(crate) fn etcd_config(&self) -> anyhow::Result<meta::etcd::EtcdConfig> {
-        self.access.config(&self.etcd)
+        self.access.config(&self.etcd, &self.prefix)
     }
 }
 

@@ -254,13 +254,26 @@ fn until_etcdctl_ok(endpoint: &str, auth: &[String], args: &[&str]) {
     }
 }
 
-/// An etcd with `extra` options whose user root has `password`, with auth enabled.
+/// An etcd with `extra` options and auth enabled: users root and `etcfs` (read-write on
+/// `sec/` only), both with `password`.
 fn auth_enabled_etcd(s: &Scratch, extra: &[String], password: &str) -> TestEtcd {
     let etcd = TestEtcd::start(&s.base, "http", extra);
     let ep = etcd.endpoint();
     until_etcdctl_ok(&ep, &[], &["endpoint", "health"]);
+    // root, and a user `etcfs` whose role covers only the prefix `sec/`.
     for args in [
         vec!["user", "add", "root", "--new-user-password", password],
+        vec!["role", "add", "etcfs-sec"],
+        vec![
+            "role",
+            "grant-permission",
+            "etcfs-sec",
+            "readwrite",
+            "sec/",
+            "--prefix=true",
+        ],
+        vec!["user", "add", "etcfs", "--new-user-password", password],
+        vec!["user", "grant-role", "etcfs", "etcfs-sec"],
         vec!["auth", "enable"],
     ] {
         let (ok, text) = etcdctl(&ep, &[], &args);
@@ -467,7 +480,7 @@ fn password_authentication() {
     fs::write(&pw_file, format!("{PASSWORD}\n")).unwrap();
     fs::set_permissions(&pw_file, fs::Permissions::from_mode(0o600)).unwrap();
     let pw_arg = pw_file.to_string_lossy().into_owned();
-    let by_file = strings(&["--etcd-user", "root", "--etcd-password-file", &pw_arg]);
+    let by_file = strings(&["--etcd-user", "etcfs", "--etcd-password-file", &pw_arg]);
 
     // mkfs and status read the password from the environment, the mount from the file.
     let store = |cmd: &str, access: &[String]| {
@@ -475,7 +488,7 @@ fn password_authentication() {
         a.extend(access.iter().cloned());
         a
     };
-    let mut mkfs = store("mkfs", &strings(&["--etcd-user", "root"]));
+    let mut mkfs = store("mkfs", &strings(&["--etcd-user", "etcfs"]));
     mkfs.extend(["--device".into(), s.image.to_string_lossy().into_owned()]);
     let (ok, text, _) = etcfs(&mkfs, &[("ETCFS_ETCD_PASSWORD", PASSWORD)]);
     assert!(ok, "mkfs: {text}");
@@ -490,7 +503,7 @@ fn password_authentication() {
         "the password is in the daemon's command line"
     );
     let (ok, text, _) = etcfs(
-        &store("status", &strings(&["--etcd-user", "root"])),
+        &store("status", &strings(&["--etcd-user", "etcfs"])),
         &[("ETCFS_ETCD_PASSWORD", PASSWORD)],
     );
     assert!(ok && text.contains("nodes (1)"), "status: {text}");
@@ -532,13 +545,13 @@ fn password_authentication() {
     type Case<'a> = (Vec<String>, Vec<(&'a str, &'a str)>, &'a str);
     let cases: Vec<Case> = vec![
         (
-            strings(&["--etcd-user", "root"]),
+            strings(&["--etcd-user", "etcfs"]),
             vec![("ETCFS_ETCD_PASSWORD", "wrong-password-5d1c")],
             "invalid user ID or password",
         ),
         (Vec::new(), vec![], "needs a user"),
         (
-            strings(&["--etcd-user", "root"]),
+            strings(&["--etcd-user", "etcfs"]),
             vec![],
             "--etcd-password-file",
         ),
@@ -550,6 +563,24 @@ fn password_authentication() {
         assert!(!text.contains("wrong-password-5d1c") && !text.contains(PASSWORD));
         assert!(!text.contains("unavailable"), "{access:?}: {text}");
     }
+    // The user's role covers `sec/` only.
+    let (ok, text, t) = etcfs(
+        &strings(&[
+            "status",
+            "--etcd",
+            &ep,
+            "--prefix",
+            "other",
+            "--etcd-user",
+            "etcfs",
+        ]),
+        &[("ETCFS_ETCD_PASSWORD", PASSWORD)],
+    );
+    assert!(!ok && t < ERROR_DEADLINE, "other prefix ({t:?}): {text}");
+    assert!(
+        text.contains("permission denied") && !text.contains("unavailable"),
+        "other prefix: {text}"
+    );
     // A mount with the wrong password fails at once, saying why.
     let bad_pw = s.base.join("bad");
     fs::write(&bad_pw, "wrong-password-5d1c\n").unwrap();

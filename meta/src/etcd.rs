@@ -39,6 +39,9 @@ pub struct EtcdConfig {
     pub tls: Option<EtcdTls>,
     /// An etcd user to authenticate as (etcd with `auth enable`).
     pub auth: Option<EtcdAuth>,
+    /// The key read to prove the cluster answers: one the user may read (a user whose
+    /// role covers only a filesystem's prefix may read nothing outside it).
+    pub probe_key: Vec<u8>,
 }
 
 impl EtcdConfig {
@@ -50,6 +53,7 @@ impl EtcdConfig {
             request_timeout: Duration::from_secs(5),
             tls: None,
             auth: None,
+            probe_key: b"\0etcfs-probe".to_vec(),
         }
     }
 }
@@ -362,7 +366,7 @@ impl EtcdBackend {
         };
         // Probe: a bounded read proves the cluster answers (and has a leader for
         // linearizable reads) before the daemon commits to using it.
-        let probe = RangeRequest::key(b"\0etcfs-probe".to_vec())
+        let probe = RangeRequest::key(cfg.probe_key.clone())
             .limit(1)
             .keys_only();
         backend.range(probe).await?;
