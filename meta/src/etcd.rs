@@ -717,3 +717,92 @@ impl KvBackend for EtcdBackend {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: tonic::Code, msg: &str) -> etcd_client::Error {
+        etcd_client::Error::GRpcStatus(tonic::Status::new(code, msg))
+    }
+
+    #[test]
+    fn auth_refusals_are_auth_errors_that_say_what_to_fix() {
+        let cases = [
+            (
+                tonic::Code::InvalidArgument,
+                "etcdserver: authentication failed, invalid user ID or password",
+                "check the user and password",
+            ),
+            (
+                tonic::Code::InvalidArgument,
+                "etcdserver: user name is empty",
+                "needs a user",
+            ),
+            (
+                tonic::Code::FailedPrecondition,
+                "etcdserver: authentication is not enabled",
+                "takes no user",
+            ),
+            (
+                tonic::Code::PermissionDenied,
+                "etcdserver: permission denied",
+                "prefix",
+            ),
+        ];
+        for (code, msg, hint) in cases {
+            match map_err(status(code, msg)) {
+                KvError::Auth(m) => assert!(m.contains(hint), "{msg}: {m}"),
+                other => panic!("{msg}: {other:?}"),
+            }
+        }
+        // A stale token is retried after a new login, not reported as refused credentials.
+        let stale = status(
+            tonic::Code::Unauthenticated,
+            "etcdserver: invalid auth token",
+        );
+        assert!(is_stale_token(&stale));
+        assert!(!is_stale_token(&status(
+            tonic::Code::PermissionDenied,
+            "etcdserver: permission denied"
+        )));
+        assert!(matches!(
+            map_err(status(tonic::Code::Unavailable, "connection refused")),
+            KvError::Unavailable(_)
+        ));
+    }
+
+    #[test]
+    fn secrets_stay_out_of_debug() {
+        let mut cfg = EtcdConfig::new(vec!["https://h:1".into()]);
+        cfg.auth = Some(EtcdAuth::new("alice".into(), "hunter2-secret".into()));
+        cfg.tls = Some(EtcdTls {
+            ca_pem: b"CA".to_vec(),
+            identity: Some((b"CERT".to_vec(), b"KEY-MATERIAL".to_vec())),
+        });
+        let shown = format!("{cfg:?}");
+        assert!(shown.contains("alice"), "{shown}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("KEY-MATERIAL"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn tls_hints() {
+        let mut cfg = EtcdConfig::new(vec!["https://h:1".into()]);
+        cfg.tls = Some(EtcdTls {
+            ca_pem: Vec::new(),
+            identity: None,
+        });
+        let e = |s: &str| KvError::Unavailable(s.into());
+        assert!(tls_hint(&cfg, &e("received fatal alert: BadCertificate")).contains("--etcd-cert"));
+        assert!(
+            tls_hint(&cfg, &e("invalid peer certificate: UnknownIssuer"))
+                .contains("--etcd-cacert signed")
+        );
+        assert_eq!(tls_hint(&cfg, &e("Connection refused (os error 111)")), "");
+        let plain = EtcdConfig::new(vec!["http://h:1".into()]);
+        assert!(tls_hint(&plain, &e("transport error: broken pipe")).contains("https://"));
+    }
+}
