@@ -462,6 +462,9 @@ fn tls_hint(cfg: &EtcdConfig, e: &KvError) -> &'static str {
         " (TLS handshake failed: check that --etcd-cacert signed the server's certificate, \
          that the certificate names the endpoint's host, and that --etcd-cert/--etcd-key are \
          a client certificate the server's CA trusts)"
+    } else if no_client_cert {
+        // A server that wants a certificate may just close the connection, or let it hang.
+        " (if the server requires client certificates, give --etcd-cert and --etcd-key)"
     } else {
         ""
     }
