@@ -10,6 +10,9 @@ set -euo pipefail
 ROUNDS=${1:-3}
 PORT=${2:-28402}
 cd "$(dirname "$0")/.."
+for tool in etcd etcdctl openssl python3; do
+    command -v "$tool" >/dev/null || { echo "etcd_tls.sh needs $tool" >&2; exit 1; }
+done
 dir=$(mktemp -d /tmp/etcfs-etcd-tls.XXXXXX)
 etcd_pid=
 cleanup() {
