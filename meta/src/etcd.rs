@@ -404,8 +404,11 @@ impl EtcdBackend {
     }
 
     /// Logs in again, once for all the requests that found the token of client generation
-    /// `seen` stale. A new client, not `set_client_auth` on the old one: that would send
-    /// the stale token with the login, which etcd refuses as well.
+    /// `seen` stale. A new client, not `set_client_auth` on the old one: etcd-client puts
+    /// its current token on every request, the login too, and etcd checks the token a
+    /// raft request carries before applying it, so the login could be refused as well (not
+    /// verified against etcd; a fresh client carries no token, so the question never
+    /// arises). Its connection is the cost, once per expiry.
     async fn reauthenticate(&self, seen: u64) -> Result<(), KvError> {
         let Some(login) = &self.login else {
             return Ok(());
