@@ -20,7 +20,7 @@
 //! its own, not a filesystem's.
 //!
 //! usage: cargo bench --bench etcd_txn -- --etcd URL[,URL...] [--prefix P] [--ops N]
-//!        [--concurrency C]
+//!        [--concurrency C] [--etcd-cacert PEM [--etcd-cert PEM --etcd-key PEM]]
 
 use std::{
     sync::{mpsc, Arc},
@@ -46,6 +46,10 @@ struct Args {
     prefix: String,
     ops: usize,
     concurrency: usize,
+    /// `--etcd-cacert`, `--etcd-cert`, `--etcd-key` as etcfs takes them (PEM files).
+    cacert: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +58,9 @@ fn parse_args() -> Result<Args, String> {
         prefix: "etcfs-bench".to_owned(),
         ops: 2000,
         concurrency: 1,
+        cacert: None,
+        cert: None,
+        key: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -61,6 +68,9 @@ fn parse_args() -> Result<Args, String> {
         match a.as_str() {
             "--etcd" => args.etcd = value()?.split(',').map(str::to_owned).collect(),
             "--prefix" => args.prefix = value()?,
+            "--etcd-cacert" => args.cacert = Some(value()?),
+            "--etcd-cert" => args.cert = Some(value()?),
+            "--etcd-key" => args.key = Some(value()?),
             "--ops" => args.ops = value()?.parse().map_err(|e| format!("--ops: {e}"))?,
             "--concurrency" => {
                 args.concurrency = value()?
@@ -169,7 +179,18 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 fn run() -> Result<(), String> {
     let args = parse_args()?;
     let keyspace = Keyspace::new(&args.prefix).map_err(|e| e.to_string())?;
-    let cfg = EtcdConfig::new(args.etcd.clone());
+    let mut cfg = EtcdConfig::new(args.etcd.clone());
+    if let Some(ca) = &args.cacert {
+        let read = |p: &str| std::fs::read(p).map_err(|e| format!("{p}: {e}"));
+        let identity = match (&args.cert, &args.key) {
+            (Some(c), Some(k)) => Some((read(c)?, read(k)?)),
+            _ => None,
+        };
+        cfg.tls = Some(meta::etcd::EtcdTls {
+            ca_pem: read(ca)?,
+            identity,
+        });
+    }
     // The pipeline is used only for its runtime and its connected backend: nothing is
     // submitted to it. It does reserve inode numbers on its own at start; let that commit
     // land first so it does not overlap the timed requests.

@@ -1,9 +1,17 @@
 //! The control socket of a mounted filesystem: `etcfs stats` asks the daemon serving a
 //! mountpoint for its live report over a Unix socket named after the mountpoint.
+//!
+//! Only root and the user the daemon runs as may use it, checked twice: the socket is
+//! mode 0600 from the moment it has its name (bound in a private directory, then renamed
+//! into place), and each connection's peer credentials (SO_PEERCRED) are checked, so a
+//! socket whose mode was loosened still answers no one else.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
-    os::unix::net::{UnixListener, UnixStream},
+    os::unix::{
+        fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _},
+        net::{UnixListener, UnixStream},
+    },
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -13,6 +21,9 @@ use anyhow::{bail, Context, Result};
 
 /// Directory of control sockets.
 const RUN_DIR: &str = "/run/etcfs";
+
+/// How a refusal starts, so the client can tell it from a report.
+const REFUSED: &str = "refused: ";
 
 /// The socket of the daemon serving `mountpoint` (canonical path).
 pub(crate) fn socket_path(mountpoint: &Path) -> PathBuf {
@@ -38,24 +49,73 @@ pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<PathBuf>
     // A socket left by a daemon that died is stale: nobody can be serving this mountpoint,
     // because mounting checked that it was not a mount point.
     let _ = std::fs::remove_file(&path);
-    let listener = UnixListener::bind(&path).with_context(|| format!("bind {}", path.display()))?;
+    let listener = bind_owner_only(&path)?;
+    let owner = own_uid();
     std::thread::Builder::new()
         .name("etcfs-control".into())
         .spawn(move || {
             for conn in listener.incoming().flatten() {
-                let _ = answer(conn, report.as_ref());
+                let _ = answer(conn, owner, report.as_ref());
             }
         })
         .context("spawn control thread")?;
     Ok(path)
 }
 
-fn answer(conn: UnixStream, report: &ReportFn) -> std::io::Result<()> {
+/// A listening socket at `path` that is mode 0600 before anyone can reach it by that name:
+/// bound inside a fresh mode-0700 directory (bind would give it 0777 less the umask),
+/// chmodded, then renamed to `path`.
+fn bind_owner_only(path: &Path) -> Result<UnixListener> {
+    let dir = Path::new(RUN_DIR).join(format!(".bind-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| format!("create {}", dir.display()))?;
+    let tmp = dir.join("s");
+    let result = (|| {
+        let listener =
+            UnixListener::bind(&tmp).with_context(|| format!("bind {}", tmp.display()))?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("chmod {}", tmp.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// The uid this process runs as (the owner of /proc/self).
+fn own_uid() -> u32 {
+    std::fs::metadata("/proc/self").map_or(0, |m| m.uid())
+}
+
+/// Whether a peer of uid `peer` may use the socket of a daemon running as `owner`.
+fn allowed(peer: u32, owner: u32) -> bool {
+    peer == 0 || peer == owner
+}
+
+fn answer(conn: UnixStream, owner: u32, report: &ReportFn) -> std::io::Result<()> {
+    let peer = rustix::net::sockopt::socket_peercred(&conn)?.uid.as_raw();
+    // The request is read even from a refused peer: closing with it unread would reset the
+    // connection, and the peer would see that instead of the refusal.
     conn.set_read_timeout(Some(Duration::from_secs(2)))?;
     let mut line = String::new();
     BufReader::new(conn.try_clone()?)
         .take(64)
         .read_line(&mut line)?;
+    if !allowed(peer, owner) {
+        let who = if owner == 0 {
+            "root".to_owned()
+        } else {
+            format!("root and uid {owner}, who mounted it")
+        };
+        return (&conn).write_all(
+            format!("{REFUSED}uid {peer} may not use this control socket (only {who})\n")
+                .as_bytes(),
+        );
+    }
     let json = line.trim() == "json";
     (&conn).write_all(report(json).as_bytes())
 }
@@ -67,6 +127,12 @@ pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
     let path = socket_path(&canonical);
     let mut conn = match UnixStream::connect(&path) {
         Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => bail!(
+            "permission denied: only root and the user who mounted {} may ask its daemon for \
+             statistics (control socket {})",
+            canonical.display(),
+            path.display()
+        ),
         Err(e) => bail!(
             "no etcfs daemon is serving {} (control socket {}: {e})",
             canonical.display(),
@@ -78,6 +144,13 @@ pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
     let mut out = String::new();
     conn.read_to_string(&mut out)
         .context("read the daemon's report")?;
+    if let Some(why) = out.strip_prefix(REFUSED) {
+        bail!(
+            "the etcfs daemon serving {} refused: {}",
+            canonical.display(),
+            why.trim_end()
+        );
+    }
     print!("{out}");
     if !out.ends_with('\n') {
         println!();
@@ -88,6 +161,15 @@ pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_root_and_the_owner_are_allowed() {
+        assert!(allowed(0, 1000));
+        assert!(allowed(1000, 1000));
+        assert!(!allowed(65534, 1000));
+        assert!(allowed(0, 0));
+        assert!(!allowed(1000, 0));
+    }
 
     #[test]
     fn socket_names_are_unambiguous_and_flat() {

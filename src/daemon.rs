@@ -24,7 +24,12 @@ const MOUNT_READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub(crate) fn mkfs(args: MkfsArgs) -> Result<()> {
     let (etcd, device) = match (&args.store.etcd[..], &args.store.device) {
-        ([_, ..], Some(device)) => (args.store.etcd.clone(), device.clone()),
+        ([_, ..], Some(device)) => (
+            args.store
+                .access
+                .config(&args.store.etcd, &args.store.prefix)?,
+            device.clone(),
+        ),
         _ => bail!("mkfs needs both --etcd URLS and --device PATH"),
     };
     if args.group_size == 0 {
@@ -67,16 +72,28 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
     // The private etcd of the embedded default lives as long as the mount.
     let mut private_etcd = None;
     let (etcd, device) = match (&args.store.etcd[..], &args.store.device) {
-        ([_, ..], Some(device)) => (args.store.etcd.clone(), device.clone()),
+        ([_, ..], Some(device)) => (
+            args.store
+                .access
+                .config(&args.store.etcd, &args.store.prefix)?,
+            device.clone(),
+        ),
         ([], None) => {
+            if args.store.access.any() {
+                bail!(
+                    "the --etcd-* certificate and user options are for an etcd given with \
+                     --etcd; the embedded etcd makes its own certificates"
+                );
+            }
             let state = embedded::StateDir::new(&args.state_dir)?;
             let etcd = embedded::PrivateEtcd::start(&state)?;
             let device = state.device_image(args.image_gib << 30)?;
-            let endpoints = vec![etcd.endpoint.clone()];
+            let mut config = etcd.config.clone();
+            config.probe_key = crate::access::probe_key(&args.store.prefix);
             private_etcd = Some(etcd);
             if !state.is_formatted() {
                 let r = fs::mkfs(
-                    &endpoints,
+                    &config,
                     &device,
                     &args.store.prefix,
                     crate::data::superblock::AG_BLOCKS_DEFAULT,
@@ -86,7 +103,7 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
                 log::info!("formatted {} as filesystem {}", device.display(), r.uuid);
                 state.mark_formatted()?;
             }
-            (endpoints, device)
+            (config, device)
         }
         _ => bail!("give both --etcd and --device, or neither (for the embedded default)"),
     };

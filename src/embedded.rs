@@ -5,20 +5,35 @@
 //! The private etcd is a child of the daemon, listening on loopback ports chosen at first
 //! start and remembered in the state directory. Its pid is recorded, so a daemon that died
 //! without stopping it finds and reuses it instead of starting a second one on the same data.
+//!
+//! It is private to root: loopback is open to every local user, and an etcd that answers
+//! anyone lets any of them rewrite any inode's owner and mode or any extent. So at first start
+//! a CA, a server certificate and a client certificate are made (in `etcd/pki`, mode 0700,
+//! keys 0600), the CA's key is thrown away (nobody can make another certificate it trusts),
+//! and etcd requires the client certificate on its client and peer ports. The state
+//! directory's etcd data and device image are kept owner-only as well.
 
 use std::{
     fs,
-    io::{Read as _, Write as _},
-    net::{Ipv4Addr, TcpListener, TcpStream},
+    io::Write as _,
+    net::{IpAddr, Ipv4Addr, TcpListener},
+    os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use meta::etcd::{EtcdBackend, EtcdConfig, EtcdTls};
 
 /// How long a private etcd may take to become healthy.
 const ETCD_READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How much history the private etcd keeps before compacting it away. A cache watch that
+/// resumes from a revision older than this finds it compacted and drops its caches (see
+/// `fs::watch`); watches resume within seconds of a reconnect, so five minutes is ample, and
+/// it bounds the database to the live keys plus five minutes of changes.
+const AUTO_COMPACTION_RETENTION: &str = "5m";
 
 /// Files of the embedded default.
 #[derive(Debug, Clone)]
@@ -28,7 +43,11 @@ pub(crate) struct StateDir {
 
 impl StateDir {
     pub(crate) fn new(root: &Path) -> Result<Self> {
-        fs::create_dir_all(root).with_context(|| format!("create state dir {}", root.display()))?;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(root)
+            .with_context(|| format!("create state dir {}", root.display()))?;
         Ok(StateDir {
             root: root.to_path_buf(),
         })
@@ -37,8 +56,15 @@ impl StateDir {
     /// The device image, created sparse at `size` bytes if missing.
     pub(crate) fn device_image(&self, size: u64) -> Result<PathBuf> {
         let path = self.root.join("device.img");
-        if !path.exists() {
-            let f = fs::File::create(&path)
+        if path.exists() {
+            // An image made before it was created owner-only: every file's data is in it.
+            owner_only(&path, 0o600)?;
+        } else {
+            let f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
                 .with_context(|| format!("create device image {}", path.display()))?;
             f.set_len(size)
                 .with_context(|| format!("size device image {}", path.display()))?;
@@ -67,10 +93,149 @@ impl StateDir {
     }
 }
 
+/// Sets `path`'s mode to `mode` if it allows more, saying so.
+fn owner_only(path: &Path, mode: u32) -> Result<()> {
+    let meta = fs::metadata(path).with_context(|| format!("stat {}", path.display()))?;
+    let old = meta.permissions().mode() & 0o7777;
+    if old & !mode != 0 {
+        fs::set_permissions(path, fs::Permissions::from_mode(mode))
+            .with_context(|| format!("chmod {:o} {}", mode, path.display()))?;
+        log::info!("{}: mode {old:o} -> {mode:o} (owner only)", path.display());
+    }
+    Ok(())
+}
+
+/// The private etcd's certificates, as file paths (all in one owner-only directory).
+#[derive(Debug, Clone)]
+pub(crate) struct Pki {
+    dir: PathBuf,
+}
+
+impl Pki {
+    const FILES: [&'static str; 5] = [
+        "ca.crt",
+        "server.crt",
+        "server.key",
+        "client.crt",
+        "client.key",
+    ];
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The certificates under `etcd_dir`, made at first use. They are written to a fresh
+    /// directory that is renamed into place, so a crash leaves either none or all of them.
+    fn load_or_create(etcd_dir: &Path) -> Result<Pki> {
+        let pki = Pki {
+            dir: etcd_dir.join("pki"),
+        };
+        if pki.dir.exists() {
+            owner_only(&pki.dir, 0o700)?;
+            for f in Self::FILES {
+                let p = pki.file(f);
+                if !p.exists() {
+                    bail!(
+                        "{} is incomplete ({f} is missing); remove the directory to make new                          certificates",
+                        pki.dir.display()
+                    );
+                }
+                owner_only(&p, 0o600)?;
+            }
+            return Ok(pki);
+        }
+        let tmp = etcd_dir.join(format!("pki.tmp-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&tmp)
+            .with_context(|| format!("create {}", tmp.display()))?;
+        let files = make_certificates().context("make the private etcd's certificates")?;
+        for (name, pem) in Self::FILES.iter().zip(files) {
+            let path = tmp.join(name);
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("create {}", path.display()))?;
+            f.write_all(pem.as_bytes())
+                .and_then(|()| f.sync_all())
+                .with_context(|| format!("write {}", path.display()))?;
+        }
+        fs::rename(&tmp, &pki.dir)
+            .with_context(|| format!("rename {} to {}", tmp.display(), pki.dir.display()))?;
+        log::info!(
+            "made a CA and certificates for the private etcd in {}",
+            pki.dir.display()
+        );
+        Ok(pki)
+    }
+
+    /// How the daemon reaches the private etcd at `endpoint`.
+    fn client_config(&self, endpoint: &str) -> Result<EtcdConfig> {
+        let read = |name: &str| {
+            let p = self.file(name);
+            fs::read(&p).with_context(|| format!("read {}", p.display()))
+        };
+        let mut cfg = EtcdConfig::new(vec![endpoint.to_owned()]);
+        cfg.tls = Some(EtcdTls {
+            ca_pem: read("ca.crt")?,
+            identity: Some((read("client.crt")?, read("client.key")?)),
+        });
+        Ok(cfg)
+    }
+}
+
+/// A CA, a server certificate for 127.0.0.1 (also used between peers, so it serves and
+/// authenticates as a client) and a client certificate, as PEM in [`Pki::FILES`] order.
+fn make_certificates() -> Result<[String; 5], rcgen::Error> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose as Eku, IsCa, KeyPair,
+        KeyUsagePurpose as Ku, SanType,
+    };
+    let ca_key = KeyPair::generate()?;
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name
+        .push(DnType::CommonName, "etcfs private etcd CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.key_usages = vec![Ku::KeyCertSign, Ku::CrlSign, Ku::DigitalSignature];
+    let ca = ca.self_signed(&ca_key)?;
+
+    let server_key = KeyPair::generate()?;
+    let mut server = CertificateParams::new(vec!["localhost".to_owned()])?;
+    server
+        .subject_alt_names
+        .push(SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+    server
+        .distinguished_name
+        .push(DnType::CommonName, "etcfs-embedded");
+    server.key_usages = vec![Ku::DigitalSignature, Ku::KeyEncipherment];
+    server.extended_key_usages = vec![Eku::ServerAuth, Eku::ClientAuth];
+    let server = server.signed_by(&server_key, &ca, &ca_key)?;
+
+    let client_key = KeyPair::generate()?;
+    let mut client = CertificateParams::new(Vec::<String>::new())?;
+    client
+        .distinguished_name
+        .push(DnType::CommonName, "etcfs-daemon");
+    client.key_usages = vec![Ku::DigitalSignature];
+    client.extended_key_usages = vec![Eku::ClientAuth];
+    let client = client.signed_by(&client_key, &ca, &ca_key)?;
+    Ok([
+        ca.pem(),
+        server.pem(),
+        server_key.serialize_pem(),
+        client.pem(),
+        client_key.serialize_pem(),
+    ])
+}
+
 /// A private etcd: stopped on drop if this process started it.
 #[derive(Debug)]
 pub(crate) struct PrivateEtcd {
-    pub(crate) endpoint: String,
+    /// How to reach it (with the client certificate).
+    pub(crate) config: EtcdConfig,
     child: Option<Child>,
 }
 
@@ -78,7 +243,13 @@ impl PrivateEtcd {
     /// Starts (or finds still running) the state directory's etcd and waits until it answers.
     pub(crate) fn start(state: &StateDir) -> Result<PrivateEtcd> {
         let dir = state.etcd_dir();
-        fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("create {}", dir.display()))?;
+        owner_only(&dir, 0o700)?;
+        let pki = Pki::load_or_create(&dir)?;
         let ports_file = dir.join("ports");
         let (client, peer) = match fs::read_to_string(&ports_file) {
             Ok(s) => {
@@ -91,15 +262,24 @@ impl PrivateEtcd {
                 ports
             }
         };
-        let endpoint = format!("http://127.0.0.1:{client}");
+        let endpoint = format!("https://127.0.0.1:{client}");
+        let config = pki.client_config(&endpoint)?;
+        let rt = crate::status::runtime()?;
         let pid_file = dir.join("pid");
         if let Some(pid) = running_etcd(&pid_file, &dir) {
-            if healthy(client) {
-                log::info!("reusing the private etcd (pid {pid}) at {endpoint}");
-                return Ok(PrivateEtcd {
-                    endpoint,
-                    child: None,
-                });
+            match answers(&rt, &config) {
+                Ok(()) => {
+                    log::info!("reusing the private etcd (pid {pid}) at {endpoint}");
+                    return Ok(PrivateEtcd {
+                        config,
+                        child: None,
+                    });
+                }
+                // Another etcd on this data would wait for its lock for ever.
+                Err(e) => bail!(
+                    "the private etcd (pid {pid}, data in {}) is running but does not answer                      with its client certificate ({e}); stop it (kill {pid}) and mount again",
+                    dir.display()
+                ),
             }
         }
         let log_path = dir.join("etcd.log");
@@ -108,7 +288,12 @@ impl PrivateEtcd {
             .append(true)
             .open(&log_path)
             .with_context(|| format!("open {}", log_path.display()))?;
-        let peer_url = format!("http://127.0.0.1:{peer}");
+        let peer_url = format!("https://127.0.0.1:{peer}");
+        let (ca, cert, key) = (
+            pki.file("ca.crt"),
+            pki.file("server.crt"),
+            pki.file("server.key"),
+        );
         let child = Command::new("etcd")
             .arg("--name")
             .arg("etcfs-embedded")
@@ -124,6 +309,26 @@ impl PrivateEtcd {
             .arg(&peer_url)
             .arg("--initial-cluster")
             .arg(format!("etcfs-embedded={peer_url}"))
+            // Only a client with a certificate from this directory's CA gets in, on the
+            // client port and on the peer port (raft messages could rewrite the data too).
+            .arg("--client-cert-auth")
+            .arg("--trusted-ca-file")
+            .arg(&ca)
+            .arg("--cert-file")
+            .arg(&cert)
+            .arg("--key-file")
+            .arg(&key)
+            .arg("--peer-client-cert-auth")
+            .arg("--peer-trusted-ca-file")
+            .arg(&ca)
+            .arg("--peer-cert-file")
+            .arg(&cert)
+            .arg("--peer-key-file")
+            .arg(&key)
+            .arg("--auto-compaction-mode")
+            .arg("periodic")
+            .arg("--auto-compaction-retention")
+            .arg(AUTO_COMPACTION_RETENTION)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -138,11 +343,11 @@ impl PrivateEtcd {
         fs::write(&pid_file, format!("{}\n", child.id()))
             .with_context(|| format!("write {}", pid_file.display()))?;
         let mut etcd = PrivateEtcd {
-            endpoint,
+            config,
             child: Some(child),
         };
         let start = Instant::now();
-        while !healthy(client) {
+        while let Err(why) = answers(&rt, &etcd.config) {
             if let Some(child) = etcd.child.as_mut() {
                 if let Some(status) = child.try_wait()? {
                     bail!(
@@ -153,15 +358,15 @@ impl PrivateEtcd {
             }
             if start.elapsed() > ETCD_READY_TIMEOUT {
                 bail!(
-                    "the private etcd did not answer within {ETCD_READY_TIMEOUT:?}; see {}",
+                    "the private etcd did not answer within {ETCD_READY_TIMEOUT:?} ({why}); \
+                     see {}",
                     log_path.display()
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         log::info!(
-            "started a private etcd at {} (data in {})",
-            etcd.endpoint,
+            "started a private etcd at {endpoint} (data in {}, client certificate required)",
             dir.display()
         );
         Ok(etcd)
@@ -211,23 +416,13 @@ fn running_etcd(pid_file: &Path, dir: &Path) -> Option<u32> {
     ours.then_some(pid)
 }
 
-/// etcd answers `/health` with `"health":"true"` when it can serve requests.
-fn healthy(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(
-        &(Ipv4Addr::LOCALHOST, port).into(),
-        Duration::from_millis(200),
-    ) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut body = String::new();
-    let _ = s.read_to_string(&mut body);
-    body.contains("\"health\":\"true\"")
+/// Whether the etcd of `cfg` answers a read made with the client certificate.
+fn answers(rt: &tokio::runtime::Runtime, cfg: &EtcdConfig) -> Result<()> {
+    let mut cfg = cfg.clone();
+    cfg.connect_timeout = Duration::from_secs(1);
+    rt.block_on(EtcdBackend::connect(&cfg))
+        .map(drop)
+        .map_err(|e| anyhow!("{e}"))
 }
 
 #[cfg(test)]

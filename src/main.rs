@@ -1,8 +1,10 @@
 //! `etcfs`: the daemon and command-line tool of the etcfs cluster filesystem.
 //!
-//! This is the only place that reads the environment, installs the logger and exits the
-//! process; everything else returns errors.
+//! This is the only place that reads the environment (but for the etcd password, read
+//! where it is used: `access`), installs the logger and exits the process; everything else
+//! returns errors.
 
+mod access;
 mod control;
 mod daemon;
 #[allow(dead_code)]
@@ -75,6 +77,15 @@ pub(crate) struct ClusterArgs {
     /// Key prefix of the filesystem in etcd.
     #[arg(long, default_value = "etcfs")]
     pub(crate) prefix: String,
+    #[command(flatten)]
+    pub(crate) access: access::EtcdAccess,
+}
+
+impl ClusterArgs {
+    /// How to reach etcd (TLS files and the password read and checked).
+    pub(crate) fn etcd_config(&self) -> anyhow::Result<meta::etcd::EtcdConfig> {
+        self.access.config(&self.etcd, &self.prefix)
+    }
 }
 
 /// Which FUSE transport serves the mount.
@@ -100,6 +111,8 @@ pub(crate) struct StoreArgs {
     /// Key prefix of this filesystem in etcd (several filesystems can share one etcd).
     #[arg(long, default_value = "etcfs")]
     pub(crate) prefix: String,
+    #[command(flatten)]
+    pub(crate) access: access::EtcdAccess,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -216,14 +229,16 @@ fn main() -> ExitCode {
         Command::Mkfs(args) => daemon::mkfs(args),
         Command::Mount(args) => daemon::mount(args),
         Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
-        Command::Status { cluster, json } => {
-            status::print_status(&cluster.etcd, &cluster.prefix, json)
-        }
+        Command::Status { cluster, json } => cluster
+            .etcd_config()
+            .and_then(|cfg| status::print_status(&cfg, &cluster.prefix, json)),
         Command::Evict {
             cluster,
             node,
             force,
-        } => status::evict(&cluster.etcd, &cluster.prefix, &node, force),
+        } => cluster
+            .etcd_config()
+            .and_then(|cfg| status::evict(&cfg, &cluster.prefix, &node, force)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -152,15 +152,20 @@ pub(crate) struct EtcdSnap {
     pub(crate) quota: Option<(u64, String)>,
 }
 
-/// Connects to etcd (an unreachable one is an error within seconds).
-pub(crate) fn connect(rt: &tokio::runtime::Runtime, etcd: &[String]) -> Result<Arc<dyn KvBackend>> {
-    if etcd.is_empty() {
+/// Connects to etcd (an unreachable one, or refused credentials, an error within seconds).
+pub(crate) fn connect(
+    rt: &tokio::runtime::Runtime,
+    cfg: &EtcdConfig,
+) -> Result<Arc<dyn KvBackend>> {
+    if cfg.endpoints.is_empty() {
         bail!("give the etcd endpoints with --etcd URL[,URL...]");
     }
-    let cfg = EtcdConfig::new(etcd.to_vec());
     let b = rt
-        .block_on(EtcdBackend::connect(&cfg))
-        .map_err(|e| anyhow!("cannot reach etcd: {e}"))?;
+        .block_on(EtcdBackend::connect(cfg))
+        .map_err(|e| match e {
+            KvError::Auth(_) => anyhow!("{e}"),
+            e => anyhow!("cannot reach etcd: {e}"),
+        })?;
     Ok(Arc::new(b))
 }
 
@@ -1124,10 +1129,11 @@ pub(crate) fn human_bytes(n: u64) -> String {
 // ---------------------------------------------------------------------------------------
 
 /// `etcfs status`: the report, as a table or one JSON object.
-pub(crate) fn print_status(etcd: &[String], prefix: &str, json: bool) -> Result<()> {
+pub(crate) fn print_status(cfg: &EtcdConfig, prefix: &str, json: bool) -> Result<()> {
+    let etcd = &cfg.endpoints[..];
     let keys = Keyspace::new(prefix).map_err(|e| anyhow!("bad --prefix: {e}"))?;
     let rt = runtime()?;
-    let kv = connect(&rt, etcd)?;
+    let kv = connect(&rt, cfg)?;
     let mut snap = rt.block_on(read_snapshot(&*kv, &keys, prefix, etcd))?;
     snap.etcd.quota = find_quota(&snap.etcd);
     let report = Report::new(&snap, &geometry(&snap.fs)?);
@@ -1239,10 +1245,11 @@ const EVICT_WAIT: Duration = Duration::from_secs(15);
 /// let other nodes take its locks and groups while the node, still believing its lease
 /// alive until its next renewal, may still be writing to the device: that is `--force`,
 /// for a node known to be down.
-pub(crate) fn evict(etcd: &[String], prefix: &str, node: &str, force: bool) -> Result<()> {
+pub(crate) fn evict(cfg: &EtcdConfig, prefix: &str, node: &str, force: bool) -> Result<()> {
+    let etcd = &cfg.endpoints[..];
     let keys = Keyspace::new(prefix).map_err(|e| anyhow!("bad --prefix: {e}"))?;
     let rt = runtime()?;
-    let kv = connect(&rt, etcd)?;
+    let kv = connect(&rt, cfg)?;
     let snap = rt.block_on(read_snapshot(&*kv, &keys, prefix, etcd))?;
     let geo = geometry(&snap.fs)?;
     let target = resolve(node, &snap.nodes)?;

@@ -34,6 +34,11 @@ pub enum KvError {
     /// `etcdctl alarm disarm`. Refused before applying.
     #[error("etcd database space exceeded (quota alarm): {0}")]
     NoSpace(String),
+    /// etcd refused the credentials or the request: a wrong user or password, no user
+    /// given to an etcd with authentication on, or a role without permission. Retrying
+    /// does not help, so it is not [`KvError::Unavailable`].
+    #[error("etcd refused access: {0}")]
+    Auth(String),
     /// Anything else etcd reported.
     #[error("etcd error: {0}")]
     Other(String),
@@ -50,6 +55,7 @@ impl KvError {
                 | KvError::Invalid(_)
                 | KvError::LeaseNotFound
                 | KvError::NoSpace(_)
+                | KvError::Auth(_)
         )
     }
 }
@@ -107,6 +113,9 @@ pub enum MetaError {
     /// compacts and defragments etcd and disarms the alarm (ENOSPC, logged as such).
     #[error("etcd quota reached: {0}")]
     EtcdFull(String),
+    /// etcd refused this client's credentials or the request ([`KvError::Auth`]).
+    #[error("etcd refused access: {0}")]
+    Denied(String),
     /// The session the work was begun under has lost its lease (or the node gave it up
     /// at its fence): nothing of it may commit. The node serves again under a new one.
     #[error("this node's session has ended")]
@@ -125,6 +134,7 @@ impl From<KvError> for MetaError {
             KvError::Unavailable(s) => MetaError::Unavailable(s),
             KvError::TooManyOps | KvError::RequestTooLarge => MetaError::TooBig,
             KvError::NoSpace(s) => MetaError::EtcdFull(s),
+            KvError::Auth(s) => MetaError::Denied(s),
             other => MetaError::Unavailable(other.to_string()),
         }
     }

@@ -51,6 +51,12 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
             }
             Errno::ENOSPC
         }
+        // The daemon's etcd user lost its password or role under it: an operator's
+        // error, not the caller's, so not EACCES.
+        MetaError::Denied(why) => {
+            log::error!("etcd refused access: {why}");
+            Errno::EIO
+        }
         MetaError::Closed => Errno::EIO,
         // Begun under a session whose lease may have ended: it must not count.
         MetaError::SessionLost => Errno::EIO,
@@ -124,6 +130,7 @@ mod tests {
                 Errno::EIO,
             ),
             (MetaError::Unavailable("down".into()), Errno::EIO),
+            (MetaError::Denied("no role".into()), Errno::EIO),
             (MetaError::Closed, Errno::EIO),
             (MetaError::EtcdFull("quota".into()), Errno::ENOSPC),
             (MetaError::QueueFull, Errno::EAGAIN),

@@ -196,7 +196,7 @@ const SEEK_HOLE: u32 = 4;
 /// What the CLI passes to [`EtcFs::open`].
 #[derive(Debug, Clone)]
 pub(crate) struct FsConfig {
-    pub etcd: Vec<String>,
+    pub etcd: meta::etcd::EtcdConfig,
     pub device: PathBuf,
     pub prefix: String,
     pub attr_timeout: Duration,
@@ -283,10 +283,9 @@ impl Dev {
     }
 }
 
-fn connect_etcd(endpoints: Vec<String>) -> Connect {
+fn connect_etcd(cfg: meta::etcd::EtcdConfig) -> Connect {
     Box::new(move || {
         Box::pin(async move {
-            let cfg = meta::etcd::EtcdConfig::new(endpoints);
             let b = meta::etcd::EtcdBackend::connect(&cfg).await?;
             Ok(Arc::new(b) as Arc<dyn KvBackend>)
         })
@@ -345,7 +344,7 @@ fn group_layout(g: &Geometry) -> GroupLayout {
 
 /// Formats `device` and the etcd `prefix` as one new filesystem.
 pub(crate) fn mkfs(
-    etcd: &[String],
+    etcd: &meta::etcd::EtcdConfig,
     device: &Path,
     prefix: &str,
     ag_blocks: u64,
@@ -354,13 +353,16 @@ pub(crate) fn mkfs(
     let keys = Keyspace::new(prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
     let dev = open_device(device, OpenOpts::default()).map_err(|e| anyhow!("{e}"))?;
     let pipeline = Pipeline::start(
-        connect_etcd(etcd.to_vec()),
+        connect_etcd(etcd.clone()),
         keys.clone(),
         meta::types::SessionId(u64::MAX),
         Arc::new(SystemClock::new()),
         pipeline_config(),
     )
-    .map_err(|e| anyhow!("cannot reach etcd at {}: {e}", etcd.join(",")))?;
+    .map_err(|e| match e {
+        MetaError::Denied(_) => anyhow!("{e}"),
+        e => anyhow!("cannot reach etcd at {}: {e}", etcd.endpoints.join(",")),
+    })?;
     mkfs_on(
         &pipeline.client(),
         &mut PsyncDev::new(&dev),
@@ -542,12 +544,13 @@ impl EtcFs {
         let keys = Keyspace::new(&cfg.prefix).map_err(|e| anyhow!("bad --prefix: {e:?}"))?;
         let dev = open_device(&cfg.device, OpenOpts::default()).map_err(|e| anyhow!("{e}"))?;
         let t0 = std::time::Instant::now();
-        let unreachable = |e: MetaError| {
-            anyhow!(
+        let unreachable = |e: MetaError| match e {
+            MetaError::Denied(_) => anyhow!("{e}"),
+            e => anyhow!(
                 "cannot reach etcd at {} (after {:.1} s): {e}",
-                cfg.etcd.join(","),
+                cfg.etcd.endpoints.join(","),
                 t0.elapsed().as_secs_f64()
-            )
+            ),
         };
         // The session is registered only once etcd and the device are known to hold this
         // filesystem: a refused mount leaves nothing in etcd.
