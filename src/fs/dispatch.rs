@@ -97,6 +97,7 @@ impl EtcFs {
                         FileType::Symlink,
                         0o777,
                         0,
+                        0,
                         Some(target),
                         false,
                     );
@@ -118,7 +119,8 @@ impl EtcFs {
                         ino,
                         &name,
                         kind,
-                        mode & !umask,
+                        mode,
+                        umask,
                         u64::from(rdev),
                         None,
                         false,
@@ -135,7 +137,8 @@ impl EtcFs {
                         ino,
                         &name,
                         FileType::Directory,
-                        mode & !umask,
+                        mode,
+                        umask,
                         0,
                         None,
                         false,
@@ -296,7 +299,17 @@ impl EtcFs {
             }),
             Operation::Setxattr { name, value, flags } => {
                 let (name, value) = (name.to_vec(), value.to_vec());
-                self.offload(ctx, out, move |i| i.setxattr(ino, &name, &value, flags))
+                self.offload(ctx, out, move |i| {
+                    // An access ACL changes the mode: a regular file's under its lock.
+                    let _held = match xattr::acl_name(&name) {
+                        Some(_) => i.hold_regular(ino, LockMode::Exclusive)?,
+                        None => None,
+                    };
+                    i.setxattr(&h, &name, &value, flags)
+                })
+            }
+            Operation::Getxattr { name, .. } if self.inner.acl_absent(ino, name) => {
+                Reply::Error(Errno::ENODATA)
             }
             Operation::Getxattr { name, size } => {
                 let name = name.to_vec();
@@ -307,7 +320,13 @@ impl EtcFs {
             }
             Operation::Removexattr { name } => {
                 let name = name.to_vec();
-                self.offload(ctx, out, move |i| i.removexattr(ino, &name))
+                self.offload(ctx, out, move |i| {
+                    let _held = match xattr::acl_name(&name) {
+                        Some(_) => i.hold_regular(ino, LockMode::Exclusive)?,
+                        None => None,
+                    };
+                    i.removexattr(&h, &name)
+                })
             }
             Operation::Readdir {
                 fh, offset, size, ..
@@ -324,7 +343,7 @@ impl EtcFs {
             } => {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
-                    let r = i.create(&h, &name, flags, mode & !umask);
+                    let r = i.create(&h, &name, flags, mode, umask);
                     i.names_refused(r, &[Errno::EEXIST])
                 })
             }
@@ -443,6 +462,10 @@ impl Handler for EtcFs {
         // drop the kernel's pages (found by tests/cluster.rs, whose first writes came
         // before the daemon had set its process-wide notifier).
         *lock(&self.inner.notifier) = Some(notifier);
+    }
+
+    fn serves_acls(&self) -> bool {
+        true
     }
 
     fn serves_locks(&self) -> bool {

@@ -99,8 +99,8 @@ use meta::{
     keys::Keyspace,
     kv::{KvBackend, RangeRequest},
     pipeline::{
-        Config as PipelineConfig, Connect, GroupLayout, MetaClient, Mutation, NewInode, Outcome,
-        Pipeline, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode,
+        AclInherit, Config as PipelineConfig, Connect, GroupLayout, MetaClient, Mutation, NewInode,
+        Outcome, Pipeline, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode,
     },
     session::{Session, SessionConfig},
     types::{FileType, GroupId, Ino, Timespec, XATTR_NAME_LEN_MAX, XATTR_VALUE_LEN_MAX},

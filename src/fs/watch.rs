@@ -287,6 +287,21 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             let regular = attr
                 .as_ref()
                 .is_none_or(|a| a.kind == meta::types::FileType::Regular);
+            // The kernel caches a file's ACL apart from its attributes, and may have read
+            // it without holding the file's lock (the permission check before OPEN): a
+            // change of a file's ACL by another node is told to the kernel here, as an
+            // attribute drop, which makes it forget the ACL. Only for files with an ACL
+            // before or after (see below for why not every file).
+            let acl_flags = |a: &InodeAttr| a.flags & meta::acl::FLAGS != 0;
+            let acl_changed = regular
+                && (attr.as_ref().is_some_and(acl_flags)
+                    || i.caches.attr(ino.0).is_some_and(|a| acl_flags(&a)));
+            if acl_changed {
+                kernel.push(Kernel::InvalInode {
+                    ino: ino.0,
+                    data: false,
+                });
+            }
             if let Some(k) = i.caches.event(rev, &e) {
                 // A regular file's pages and attributes are the cache locks' to drop (by
                 // the holder, before it gives the lock up), not this thread's. Dropping
