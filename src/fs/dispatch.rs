@@ -316,7 +316,7 @@ impl EtcFs {
                 self.offload(ctx, out, move |i| i.getxattr(ino, &name, size))
             }
             Operation::Listxattr { size } => {
-                self.offload(ctx, out, move |i| i.listxattr(ino, size))
+                self.offload(ctx, out, move |i| i.listxattr(ino, size, h.uid == 0))
             }
             Operation::Removexattr { name } => {
                 let name = name.to_vec();
@@ -411,7 +411,8 @@ impl EtcFs {
     fn read_fast(&self, ino: u64, off: u64, size: u32, out: &mut [u8]) -> Option<Reply> {
         let _held = self.inner.locks.try_hold(ino, LockMode::Shared)?;
         let st = self.inner.files.get(ino)?;
-        let f = st.try_lock_briefly()?;
+        let mut f = st.try_lock_briefly()?;
+        atime::note_read(&mut f, self.inner.noatime);
         let fsize = f.attr.size;
         if off >= fsize || size == 0 {
             return Some(Reply::Bytes(0));

@@ -111,7 +111,9 @@ impl Inner {
         sized(v, size)
     }
 
-    pub(super) fn listxattr(&self, ino: u64, size: u32) -> Result<Done, Errno> {
+    /// `privileged`: the caller may see `trusted.` names (ext4 lists them only to
+    /// CAP_SYS_ADMIN; FUSE passes no capabilities, so root stands in for it).
+    pub(super) fn listxattr(&self, ino: u64, size: u32, privileged: bool) -> Result<Done, Errno> {
         let names = self
             .meta
             .list_xattrs(Ino(ino), XATTR_LIST_NAMES_MAX)
@@ -119,6 +121,9 @@ impl Inner {
             .map_err(|e| errno::meta(&e))?;
         let mut list = Vec::new();
         for n in names {
+            if !privileged && n.starts_with(b"trusted.") {
+                continue;
+            }
             list.extend_from_slice(&n);
             list.push(0);
         }

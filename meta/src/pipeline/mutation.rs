@@ -75,6 +75,9 @@ pub struct SetAttr {
     pub mtime: Option<TimeSet>,
     /// New inode flags.
     pub flags: Option<u32>,
+    /// `atime` is a read's access time (relatime): it only moves forward, and on its own
+    /// it leaves ctime alone, as a read does on ext4.
+    pub access: bool,
 }
 
 /// xattr set semantics.

@@ -1189,7 +1189,8 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
         a.flags = (flags & !acl::FLAGS) | (a.flags & acl::FLAGS);
     }
     if let Some(t) = set.atime {
-        a.atime = time(t, now)?;
+        let t = time(t, now)?;
+        a.atime = if set.access { a.atime.max(t) } else { t };
     }
     if let Some(size) = set.size {
         if a.kind != FileType::Regular {
@@ -1234,7 +1235,16 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
     if let Some(t) = set.mtime {
         a.mtime = time(t, now)?;
     }
-    a.ctime = now;
+    let access_only = set.access
+        && set.perm.is_none()
+        && set.uid.is_none()
+        && set.gid.is_none()
+        && set.size.is_none()
+        && set.mtime.is_none()
+        && set.flags.is_none();
+    if !access_only {
+        a.ctime = now;
+    }
     p.put(k.inode(ino), &a);
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(a);
