@@ -508,6 +508,19 @@ fn inodes_used(mnt: &Path) -> u64 {
     n[0] - n[1]
 }
 
+/// Reads with O_DIRECT, so the READ reaches the daemon whatever the page cache holds
+/// (a read served from cached pages never does, and leaves atime, as on NFS).
+fn read_direct(p: &Path) -> usize {
+    use std::{io::Read, os::unix::fs::OpenOptionsExt};
+    let mut f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(p)
+        .expect("open O_DIRECT");
+    let mut buf = vec![0u8; 8192];
+    f.read(&mut buf).expect("read O_DIRECT")
+}
+
 fn atime(p: &Path) -> (i64, i64) {
     let md = fs::metadata(p).expect("stat");
     (md.atime(), md.atime_nsec())
@@ -547,19 +560,17 @@ fn statfs_counts_inodes_and_atime_follows_relatime() {
     fs::write(&f, b"data").expect("write");
     let t0 = atime(&f);
     thread::sleep(Duration::from_millis(1100));
-    // (A partial page written is not cached as up to date: the read reaches the daemon.
-    // A read served from cached pages never does, and leaves atime, as on NFS.)
     e.chmod("a", 0o644);
     let t1 = atime(&f);
     assert_eq!(t1, t0, "chmod leaves atime");
-    assert_eq!(fs::read(&f).expect("read"), b"data");
+    assert_eq!(read_direct(&f), 4);
     let t2 = atime(&f);
     assert!(
         t2 > t1,
         "the first read after the change moves atime: {t1:?} → {t2:?}"
     );
     thread::sleep(Duration::from_millis(1100));
-    let _ = fs::read(&f).expect("read");
+    assert_eq!(read_direct(&f), 4);
     assert_eq!(atime(&f), t2, "read again: atime is after mtime and ctime");
     // A directory listing moves the directory's atime too (when due).
     let d = e.m.path("many");
@@ -581,7 +592,55 @@ fn statfs_counts_inodes_and_atime_follows_relatime() {
     let m = fs_.mount("auto", &["--allow-other", "--noatime"]);
     fs::set_permissions(m.path("a"), fs::Permissions::from_mode(0o600)).expect("chmod");
     let n0 = atime(&m.path("a"));
-    let _ = fs::read(m.path("a")).expect("read");
+    assert_eq!(read_direct(&m.path("a")), 4);
     assert_eq!(atime(&m.path("a")), n0, "noatime");
     m.stop();
+}
+
+/// Another node's ACL change reaches this node's kernel, which caches ACLs (and their
+/// absence) apart from attributes; a create right after another node set the directory's
+/// default ACL inherits it.
+#[test]
+fn acl_changes_reach_other_nodes() {
+    let Some(e) = setup("acl_other_nodes", &[]) else {
+        return;
+    };
+    let b = e._fs.mount_node("b", "auto", &["--allow-other"]);
+    fs::set_permissions(&b.mnt, fs::Permissions::from_mode(0o755)).expect("chmod");
+    let on_b = |name: &str| b.path(name).to_string_lossy().into_owned();
+    let read_on_b = |uid: u32, name: &str| e.as_user(uid, &["open", &on_b(name), "r"]);
+    e.write("f", 0o644);
+    // B's kernel learns that f has no ACL (its first permission check as a non-owner).
+    assert_eq!(read_on_b(ALICE, "f"), Ok(String::new()));
+    e.setfacl(&["-m", "u:1000:---"], "f");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while read_on_b(ALICE, "f").is_ok() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        read_on_b(ALICE, "f"),
+        Err(libc::EACCES),
+        "deny set on A, read on B"
+    );
+    assert_eq!(read_on_b(BOB, "f"), Ok(String::new()));
+    // And back: B's kernel now caches the denying ACL.
+    e.setfacl(&["-b"], "f");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while read_on_b(ALICE, "f").is_err() && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(read_on_b(ALICE, "f"), Ok(String::new()), "ACL removed on A");
+
+    // A default ACL set on A, a file created on B at once.
+    e.mkdir("d", 0o755);
+    assert!(b.path("d").is_dir());
+    e.setfacl(&["-d", "-m", "u:1000:rw"], "d");
+    fs::write(b.path("d/new"), b"").expect("create on B");
+    assert_eq!(
+        e.getfacl("d/new"),
+        "user::rw- user:1000:rw- group::r-x mask::rw- other::r--",
+        "created on B right after A set the default ACL"
+    );
+    b.stop();
+    e.m.stop();
 }
