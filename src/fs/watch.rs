@@ -287,21 +287,6 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             let regular = attr
                 .as_ref()
                 .is_none_or(|a| a.kind == meta::types::FileType::Regular);
-            // The kernel caches a file's ACL apart from its attributes, and may have read
-            // it without holding the file's lock (the permission check before OPEN): a
-            // change of a file's ACL by another node is told to the kernel here, as an
-            // attribute drop, which makes it forget the ACL. Only for files with an ACL
-            // before or after (see below for why not every file).
-            let acl_flags = |a: &InodeAttr| a.flags & meta::acl::FLAGS != 0;
-            let acl_changed = regular
-                && (attr.as_ref().is_some_and(acl_flags)
-                    || i.caches.attr(ino.0).is_some_and(|a| acl_flags(&a)));
-            if acl_changed {
-                kernel.push(Kernel::InvalInode {
-                    ino: ino.0,
-                    data: false,
-                });
-            }
             if let Some(k) = i.caches.event(rev, &e) {
                 // A regular file's pages and attributes are the cache locks' to drop (by
                 // the holder, before it gives the lock up), not this thread's. Dropping
@@ -340,6 +325,19 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             kernel.extend(i.caches.event(rev, &e));
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
+        // The kernel caches an inode's ACL apart from its attributes, and may have read it
+        // without holding a regular file's lock (the permission check before OPEN): an ACL
+        // another node set, changed (chmod rewrites the mask) or removed is told to the
+        // kernel as an attribute drop, which makes it forget the ACL. Only on ACL events,
+        // not on every change of a file with an ACL (the inode arm above says why not).
+        Some(KeyKind::Xattr(ino, name))
+            if name == meta::acl::ACCESS_NAME || name == meta::acl::DEFAULT_NAME =>
+        {
+            kernel.push(Kernel::InvalInode {
+                ino: ino.0,
+                data: false,
+            });
+        }
         Some(KeyKind::SpaceWanted(asker)) if put => i.space_wanted_by(asker),
         Some(KeyKind::Evict(s)) if put => i.evicted(s),
         Some(KeyKind::CacheWant(ino, asker)) if put && asker != i.locks.me() => {
