@@ -134,8 +134,9 @@ impl Inner {
         let ino = h.nodeid;
         fusedev::names::check_xattr_name(name)?;
         if let Some(default) = acl_name(name) {
+            // ext4 answers 0 to removing an ACL that is not there (the ACL is the mode).
             if self.acl_absent(ino, name) {
-                return Err(Errno::ENODATA);
+                return Ok(Done::Empty);
             }
             return self.set_acl(h, ino, default, None);
         }
