@@ -2,7 +2,7 @@
 # Installs the Debian packages etcfs builds and tests with, when any is missing.
 set -euo pipefail
 # gcc/libc6-dev build the tests' syscall helper (tests/common); util-linux has setpriv.
-pkgs=(etcd-server etcd-client protobuf-compiler fuse3 fio liburing-dev gcc libc6-dev util-linux)
+pkgs=(etcd-server etcd-client protobuf-compiler fuse3 fio liburing-dev gcc libc6-dev util-linux acl)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

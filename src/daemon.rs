@@ -118,6 +118,7 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
         cores: cpus.len(),
         lock_min_hold: std::time::Duration::from_millis(args.lock_min_hold_ms),
         lease_ttl_s: args.lease_ttl,
+        noatime: args.noatime,
     })?);
     let result = serve(&args, &cpus, handler);
     drop(private_etcd);
@@ -151,6 +152,7 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
             "etcfs".into()
         },
         allow_other: args.allow_other,
+        noatime: args.noatime,
         uid: nix_uid(),
         gid: nix_gid(),
     };

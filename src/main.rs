@@ -158,6 +158,9 @@ pub(crate) struct MountArgs {
     /// Let users other than root use the mount.
     #[arg(long)]
     pub(crate) allow_other: bool,
+    /// Never update access times (default: relatime, as Linux mounts do).
+    #[arg(long)]
+    pub(crate) noatime: bool,
     /// Seconds the kernel may cache attributes (kept coherent by the etcd watch; see the
     /// README).
     #[arg(long, default_value_t = 60.0)]

@@ -140,6 +140,22 @@ pub const CONFIGURED: &[Capability] = &[
         "InitConfig::locks: flock(2) goes to the filesystem too (SETLK with FUSE_LK_FLOCK, \
          released at RELEASE with FLOCK_UNLOCK)",
     ),
+    cap(
+        abi::FUSE_POSIX_ACL,
+        "POSIX_ACL",
+        "InitConfig::acls: POSIX ACLs enforced as on ext4: the kernel checks access ACLs itself from the \
+         system.posix_acl_access xattr it reads once per inode and caches (dropped by \
+         SETATTR, SETXATTR and INVAL_INODE, which this node sends when another changes \
+         the inode); the filesystem keeps mode and ACL in step and inherits default ACLs \
+         at create. Implies default_permissions",
+    ),
+    cap(
+        abi::FUSE_DONT_MASK,
+        "DONT_MASK",
+        "InitConfig::acls: with POSIX_ACL the umask must not apply under a directory with a default ACL: \
+         creates arrive unmasked with the umask beside them and the filesystem applies it \
+         only when the parent has no default ACL",
+    ),
 ];
 
 /// Never requested.
@@ -154,12 +170,6 @@ pub const REFUSED: &[Capability] = &[
         "EXPORT_SUPPORT",
         "means handling LOOKUP of \".\" and \"..\" for NFS export and open_by_handle_at; \
          etcfs is not meant to be re-exported",
-    ),
-    cap(
-        abi::FUSE_DONT_MASK,
-        "DONT_MASK",
-        "without POSIX ACLs there is no reason to see the unmasked mode: the kernel applies \
-         the umask, and permission checks are the kernel's (default_permissions)",
     ),
     cap(
         abi::FUSE_SPLICE_READ,
@@ -187,12 +197,6 @@ pub const REFUSED: &[Capability] = &[
         abi::FUSE_HANDLE_KILLPRIV,
         "HANDLE_KILLPRIV",
         "superseded by HANDLE_KILLPRIV_V2",
-    ),
-    cap(
-        abi::FUSE_POSIX_ACL,
-        "POSIX_ACL",
-        "no ACL support: the kernel would enforce ACLs from xattrs we would have to keep \
-         coherent across nodes",
     ),
     cap(
         abi::FUSE_NO_OPENDIR_SUPPORT,
@@ -290,6 +294,9 @@ pub struct InitConfig {
     /// Ask for POSIX_LOCKS|FLOCK_LOCKS: the handler serves GETLK/SETLK/SETLKW
     /// (`Handler::serves_locks`).
     pub locks: bool,
+    /// Ask for POSIX_ACL|DONT_MASK: the handler keeps ACLs and applies the umask itself
+    /// (`Handler::serves_acls`).
+    pub acls: bool,
     /// Background requests (readahead, async direct I/O) the kernel keeps in flight.
     pub max_background: u16,
     /// Background requests beyond which the kernel reports the bdi congested.
@@ -306,6 +313,7 @@ impl Default for InitConfig {
             over_io_uring: false,
             splice_write: false,
             locks: false,
+            acls: false,
             max_background: 64,
             congestion_threshold: 48,
             time_gran: 1,
@@ -379,6 +387,9 @@ pub fn requested_flags(cfg: &InitConfig) -> u64 {
     }
     if cfg.locks {
         want |= abi::FUSE_POSIX_LOCKS | abi::FUSE_FLOCK_LOCKS;
+    }
+    if cfg.acls {
+        want |= abi::FUSE_POSIX_ACL | abi::FUSE_DONT_MASK;
     }
     want
 }
@@ -571,6 +582,21 @@ mod tests {
         };
         let (out, n) = negotiate(&kernel(offered), &cfg).unwrap();
         assert!(n.has(abi::FUSE_POSIX_LOCKS) && n.has(abi::FUSE_FLOCK_LOCKS));
+        assert_eq!(u64::from(out.flags), offered);
+    }
+
+    /// Issue 15: ACLs only for a handler that keeps them (it must apply the umask too).
+    #[test]
+    fn acls_only_when_the_filesystem_keeps_them() {
+        let offered = abi::FUSE_POSIX_ACL | abi::FUSE_DONT_MASK;
+        let (out, _) = negotiate(&kernel(offered), &InitConfig::default()).unwrap();
+        assert_eq!(out.flags, 0);
+        let cfg = InitConfig {
+            acls: true,
+            ..InitConfig::default()
+        };
+        let (out, n) = negotiate(&kernel(offered), &cfg).unwrap();
+        assert!(n.has(abi::FUSE_POSIX_ACL) && n.has(abi::FUSE_DONT_MASK));
         assert_eq!(u64::from(out.flags), offered);
     }
 

@@ -26,6 +26,9 @@ pub struct MountOptions {
     pub fsname: String,
     /// Let users other than the mounting one access the filesystem.
     pub allow_other: bool,
+    /// Mount `noatime` (shown in /proc/mounts; FUSE leaves atime to the filesystem,
+    /// which must then not update it either).
+    pub noatime: bool,
     /// Owner the kernel reports for the connection (`user_id=`, `group_id=`).
     pub uid: u32,
     /// See `uid`.
@@ -201,7 +204,7 @@ impl Mount {
                 source.as_ptr(),
                 target.as_ptr(),
                 fstype.as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
+                libc::MS_NOSUID | libc::MS_NODEV | if opts.noatime { libc::MS_NOATIME } else { 0 },
                 data_c.as_ptr().cast(),
             )
         };
@@ -488,6 +491,7 @@ mod tests {
         let opts = MountOptions {
             fsname: "t".into(),
             allow_other: false,
+            noatime: false,
             uid: 0,
             gid: 0,
         };

@@ -303,6 +303,13 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
+    /// Whether the filesystem keeps POSIX ACLs (asked for at INIT with POSIX_ACL and
+    /// DONT_MASK): it then gets creates' modes unmasked, with the umask beside them, and
+    /// must apply the umask itself unless a default ACL replaces it.
+    fn serves_acls(&self) -> bool {
+        false
+    }
+
     /// Whether the transport may start the device I/O of a plan now. Asked right before
     /// a READ or WRITE plan's (or an `Fd` reply's) I/O is queued, after the handler
     /// returned it: a filesystem on a shared device closes this when its node may have

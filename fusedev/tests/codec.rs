@@ -79,6 +79,7 @@ fn init_config() -> InitConfig {
         over_io_uring: true,
         splice_write: false,
         locks: false,
+        acls: false,
         max_background: 64,
         congestion_threshold: 48,
         time_gran: 1,

@@ -114,6 +114,7 @@ fn mount(fs: Arc<OneFile>, transport: TransportChoice) -> Mounted {
     let opts = MountOptions {
         fsname: "etcfs-test".into(),
         allow_other: false,
+        noatime: false,
         uid: 0,
         gid: 0,
     };

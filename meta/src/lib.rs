@@ -67,6 +67,7 @@
 //! * A corrupt stored value fails only the operation that read it, naming the key.
 #![forbid(unsafe_code)]
 
+pub mod acl;
 pub mod cachelock;
 pub mod clock;
 pub mod codec;

@@ -137,6 +137,17 @@ pub async fn revision(kv: &dyn KvBackend, keys: &Keyspace) -> Result<Revision, M
     Ok(Revision(r.revision))
 }
 
+/// How many inodes exist (orphans included): one count-only read of the `I` range
+/// (etcd counts the range in its index and returns one key), linear in the inode count
+/// inside etcd, so callers cache it.
+pub async fn inode_count(kv: &dyn KvBackend, keys: &Keyspace) -> Result<u64, MetaError> {
+    let r = keys.inodes();
+    let resp = kv
+        .range(RangeRequest::range(r.start, r.end).keys_only().limit(1))
+        .await?;
+    Ok(u64::try_from(resp.count).unwrap_or(0))
+}
+
 /// Looks up one name.
 pub async fn lookup(
     kv: &dyn KvBackend,

@@ -83,6 +83,7 @@ fn create(parent: Ino, name: &str, kind: FileType) -> Mutation {
             gid: 0,
             rdev: 0,
             flags: 0,
+            inherit: None,
         },
         symlink: None,
         hold: false,

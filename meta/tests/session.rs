@@ -96,6 +96,7 @@ async fn crash_frees_groups_and_orphans_on_model() {
         gid: 0,
         rdev: 0,
         flags: 0,
+        inherit: None,
     };
     let create = Mutation::Create {
         parent: Ino::ROOT,
@@ -315,6 +316,7 @@ async fn a_dead_sessions_keys_all_go_with_its_lease() {
             gid: 0,
             rdev: 0,
             flags: 0,
+            inherit: None,
         },
         symlink: None,
         hold: true,

@@ -124,6 +124,7 @@ fn create(name: &str, kind: FileType) -> Mutation {
             gid: 0,
             rdev: 0,
             flags: 0,
+            inherit: None,
         },
         symlink: None,
         hold: false,

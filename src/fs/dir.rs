@@ -13,6 +13,9 @@ impl Inner {
         size: u32,
         plus: bool,
     ) -> Result<Done, Errno> {
+        if offset == 0 {
+            self.note_readdir(ino);
+        }
         let size = size as usize;
         let mut buf = vec![0u8; size];
         let mut w = DirentWriter::new(&mut buf, size);

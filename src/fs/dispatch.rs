@@ -97,6 +97,7 @@ impl EtcFs {
                         FileType::Symlink,
                         0o777,
                         0,
+                        0,
                         Some(target),
                         false,
                     );
@@ -118,7 +119,8 @@ impl EtcFs {
                         ino,
                         &name,
                         kind,
-                        mode & !umask,
+                        mode,
+                        umask,
                         u64::from(rdev),
                         None,
                         false,
@@ -135,7 +137,8 @@ impl EtcFs {
                         ino,
                         &name,
                         FileType::Directory,
-                        mode & !umask,
+                        mode,
+                        umask,
                         0,
                         None,
                         false,
@@ -296,18 +299,34 @@ impl EtcFs {
             }),
             Operation::Setxattr { name, value, flags } => {
                 let (name, value) = (name.to_vec(), value.to_vec());
-                self.offload(ctx, out, move |i| i.setxattr(ino, &name, &value, flags))
+                self.offload(ctx, out, move |i| {
+                    // An access ACL changes the mode: a regular file's under its lock.
+                    let _held = match xattr::acl_name(&name) {
+                        Some(_) => i.hold_regular(ino, LockMode::Exclusive)?,
+                        None => None,
+                    };
+                    i.setxattr(&h, &name, &value, flags)
+                })
+            }
+            Operation::Getxattr { name, .. } if self.inner.acl_absent(ino, name) => {
+                Reply::Error(Errno::ENODATA)
             }
             Operation::Getxattr { name, size } => {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| i.getxattr(ino, &name, size))
             }
             Operation::Listxattr { size } => {
-                self.offload(ctx, out, move |i| i.listxattr(ino, size))
+                self.offload(ctx, out, move |i| i.listxattr(ino, size, h.uid == 0))
             }
             Operation::Removexattr { name } => {
                 let name = name.to_vec();
-                self.offload(ctx, out, move |i| i.removexattr(ino, &name))
+                self.offload(ctx, out, move |i| {
+                    let _held = match xattr::acl_name(&name) {
+                        Some(_) => i.hold_regular(ino, LockMode::Exclusive)?,
+                        None => None,
+                    };
+                    i.removexattr(&h, &name)
+                })
             }
             Operation::Readdir {
                 fh, offset, size, ..
@@ -324,7 +343,7 @@ impl EtcFs {
             } => {
                 let name = name.to_vec();
                 self.offload(ctx, out, move |i| {
-                    let r = i.create(&h, &name, flags, mode & !umask);
+                    let r = i.create(&h, &name, flags, mode, umask);
                     i.names_refused(r, &[Errno::EEXIST])
                 })
             }
@@ -392,7 +411,8 @@ impl EtcFs {
     fn read_fast(&self, ino: u64, off: u64, size: u32, out: &mut [u8]) -> Option<Reply> {
         let _held = self.inner.locks.try_hold(ino, LockMode::Shared)?;
         let st = self.inner.files.get(ino)?;
-        let f = st.try_lock_briefly()?;
+        let mut f = st.try_lock_briefly()?;
+        atime::note_read(&mut f, self.inner.noatime);
         let fsize = f.attr.size;
         if off >= fsize || size == 0 {
             return Some(Reply::Bytes(0));
@@ -443,6 +463,10 @@ impl Handler for EtcFs {
         // drop the kernel's pages (found by tests/cluster.rs, whose first writes came
         // before the daemon had set its process-wide notifier).
         *lock(&self.inner.notifier) = Some(notifier);
+    }
+
+    fn serves_acls(&self) -> bool {
+        true
     }
 
     fn serves_locks(&self) -> bool {

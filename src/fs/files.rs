@@ -52,6 +52,9 @@ pub(crate) struct FileInner {
     pub(crate) orphaned: bool,
     /// mtime of in-place overwrites not yet written to etcd.
     pub(crate) mtime_dirty: Option<Timespec>,
+    /// atime of reads (relatime) not yet written to etcd: written with the mtime, or at
+    /// the last close, the lock's hand-over, fsync or unmount (`atime.rs`).
+    pub(crate) atime_dirty: Option<Timespec>,
     /// Allocating writes whose data is on the device (not yet flushed) and whose extents
     /// and size are in `extents`/`attr` here but not yet in etcd. `extents` is never
     /// dropped while this is set: it is the only record of where the data went.
@@ -331,6 +334,7 @@ impl Files {
                 windows: Windows::default(),
                 orphaned: false,
                 mtime_dirty: None,
+                atime_dirty: None,
                 pending: None,
             }),
             io_in_flight: AtomicU32::new(0),
@@ -368,6 +372,7 @@ impl Files {
             let mut f = st.lock();
             lost += usize::from(f.pending.take().is_some());
             f.mtime_dirty = None;
+            f.atime_dirty = None;
             f.forget_extents();
             f.attr_rev = 0;
         }
@@ -497,6 +502,9 @@ fn attr_of(f: &FileInner) -> (InodeAttr, Option<u64>) {
     if let Some(t) = f.mtime_dirty {
         attr.mtime = t;
         attr.ctime = t;
+    }
+    if let Some(t) = f.atime_dirty {
+        attr.atime = attr.atime.max(t);
     }
     let blocks = f
         .extents

@@ -45,6 +45,7 @@
 
 #[cfg(test)]
 mod alloc_tests;
+mod atime;
 mod cache;
 mod clock;
 mod dir;
@@ -99,8 +100,8 @@ use meta::{
     keys::Keyspace,
     kv::{KvBackend, RangeRequest},
     pipeline::{
-        Config as PipelineConfig, Connect, GroupLayout, MetaClient, Mutation, NewInode, Outcome,
-        Pipeline, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode,
+        AclInherit, Config as PipelineConfig, Connect, GroupLayout, MetaClient, Mutation, NewInode,
+        Outcome, Pipeline, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode,
     },
     session::{Session, SessionConfig},
     types::{FileType, GroupId, Ino, Timespec, XATTR_NAME_LEN_MAX, XATTR_VALUE_LEN_MAX},
@@ -186,6 +187,9 @@ const GROUP_IDLE_GIVE_BACK: Duration = Duration::from_secs(30);
 const FILE_SIZE_MAX: u64 = 16 << 40;
 /// The statfs inode count: inode numbers are 64-bit and never reused; report 2^32.
 const STATFS_FILES: u64 = 1 << 32;
+/// How long a node reuses its count of used inodes for statfs (`df -i`): the count is a
+/// read linear in the number of inodes inside etcd, so at most one per node per this.
+const INODE_COUNT_TTL: Duration = Duration::from_secs(2);
 /// FALLOC_FL_KEEP_SIZE and FALLOC_FL_PUNCH_HOLE.
 const FALLOC_KEEP_SIZE: u32 = 0x01;
 const FALLOC_PUNCH_HOLE: u32 = 0x02;
@@ -210,6 +214,8 @@ pub(crate) struct FsConfig {
     pub lock_min_hold: Duration,
     /// The session lease TTL in seconds.
     pub lease_ttl_s: i64,
+    /// Never update atime (else relatime).
+    pub noatime: bool,
 }
 
 /// Kernel cache timeouts and the daemon's cache sizing.
@@ -222,6 +228,7 @@ pub(crate) struct CacheOpts {
     pub cores: usize,
     pub lock_min_hold: Duration,
     pub lease_ttl_s: i64,
+    pub noatime: bool,
 }
 
 impl CacheOpts {
@@ -236,6 +243,7 @@ impl CacheOpts {
             cores: 1,
             lock_min_hold: Duration::ZERO,
             lease_ttl_s: 10,
+            noatime: false,
         }
     }
 }
@@ -511,6 +519,12 @@ pub(crate) struct Inner {
     stopping: AtomicBool,
     data_counters: DataCounters,
     plocks: plocks::Plocks,
+    /// Used inodes as last counted, and when (statfs; [`INODE_COUNT_TTL`]).
+    inode_count: Mutex<Option<(std::time::Instant, u64)>>,
+    /// Held by the one waiter counting inodes; the others answer the last count.
+    counting: Mutex<()>,
+    /// No atime updates (`--noatime`); otherwise relatime (`atime.rs`).
+    noatime: bool,
 }
 
 /// Where READs and WRITEs were served, for `etcfs stats`: on the core (no etcd, no waiter)
@@ -530,6 +544,14 @@ struct DataCounters {
 #[derive(Default)]
 struct DirHandle {
     names: HashMap<u64, Vec<u8>>,
+}
+
+/// The permission bits after a write, truncate or chown by someone without CAP_FSETID
+/// (the kernel says so with its kill flag), as ext4 clears them: set-user-id always,
+/// set-group-id only with group execute (without it the bit marks mandatory locking).
+fn killed_perm(perm: u16) -> u16 {
+    let sgid = if perm & 0o010 != 0 { 0o2000 } else { 0 };
+    perm & !(0o4000 | sgid)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -578,6 +600,7 @@ impl EtcFs {
             cores: cfg.cores,
             lock_min_hold: cfg.lock_min_hold,
             lease_ttl_s: cfg.lease_ttl_s,
+            noatime: cfg.noatime,
         };
         Self::open_checked(
             pipeline,
@@ -645,6 +668,9 @@ impl EtcFs {
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),
             plocks: plocks::Plocks::default(),
+            inode_count: Mutex::new(None),
+            counting: Mutex::new(()),
+            noatime: opts.noatime,
         });
         inner.revoke_dead_local_sessions();
         inner
@@ -1031,31 +1057,79 @@ impl Inner {
     }
 
     fn kill_suid(&self, ino: u64) -> Result<(), Errno> {
-        let perm = self.get_attr(ino)?.perm & !0o6000;
+        let perm = killed_perm(self.get_attr(ino)?.perm);
         self.commit(Mutation::SetAttr {
             ino: Ino(ino),
             set: SetAttr {
                 perm: Some(perm),
                 ..SetAttr::default()
             },
-        })
-        .map(|_| ())
+        })?;
+        // The kernel marks only times and size stale after a WRITE, so a statx asking
+        // for the mode alone (`stat -c %a`) kept showing the set-id bits (found by
+        // tests/permissions.rs's ext4 comparison). An attribute drop takes no lock the
+        // WRITE in progress holds.
+        let n = lock(&self.notifier)
+            .clone()
+            .or_else(|| PROCESS_NOTIFIER.get().cloned());
+        if let Some(n) = n {
+            self.caches
+                .n
+                .kernel_inval_inode
+                .fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = n.inval_inode(ino, -1, 0) {
+                log::debug!("kernel attribute drop of inode {ino}: {e}");
+            }
+        }
+        Ok(())
     }
 
     fn statfs(&self) -> Result<Done, Errno> {
         let free = self.device_free_blocks()?;
+        let used = self.used_inodes()?.min(STATFS_FILES);
         let st = Kstatfs {
             blocks: self.geometry.data_blocks(),
             bfree: free,
             bavail: free,
             files: STATFS_FILES,
-            ffree: STATFS_FILES,
+            ffree: STATFS_FILES - used,
             bsize: BLOCK_SIZE as u32,
             namelen: NAME_MAX as u32,
             frsize: BLOCK_SIZE as u32,
             ..Kstatfs::default()
         };
         Ok(done_bytes(&st))
+    }
+
+    /// Used inodes for statfs, at most [`INODE_COUNT_TTL`] old (plus the etcd read).
+    /// One waiter counts at a time; the others answer the previous count meanwhile, and
+    /// wait for the count only when there is none.
+    fn used_inodes(&self) -> Result<u64, Errno> {
+        let fresh = |c: &Option<(std::time::Instant, u64)>| {
+            c.filter(|(at, _)| at.elapsed() < INODE_COUNT_TTL)
+                .map(|(_, n)| n)
+        };
+        if let Some(n) = fresh(&lock(&self.inode_count)) {
+            return Ok(n);
+        }
+        let _counting = match self.counting.try_lock() {
+            Ok(g) => g,
+            Err(_) => {
+                if let Some((_, n)) = *lock(&self.inode_count) {
+                    return Ok(n);
+                }
+                lock(&self.counting)
+            }
+        };
+        if let Some(n) = fresh(&lock(&self.inode_count)) {
+            return Ok(n);
+        }
+        let n = run_read(&self.meta, |kv, keys| {
+            Box::pin(async move { meta::reader::inode_count(&*kv, &keys).await })
+        })
+        .map_err(|e| errno::meta(&e))?;
+        *lock(&self.inode_count) = Some((std::time::Instant::now(), n));
+        Ok(n)
     }
 
     /// DESTROY: write pending timestamps, close open files, end the session.
@@ -1359,7 +1433,7 @@ fn plan_overwrite(
     kill_suid: bool,
     fd: RawFd,
 ) -> Option<(Vec<WriteSegment>, files::IoInFlight)> {
-    if kill_suid && f.attr.perm & 0o6000 != 0 {
+    if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
         return None;
     }
     let segments = overwrite_segments(f.extents.as_ref()?, f.attr.size, off, len, fd)?;

@@ -18,6 +18,7 @@ impl Inner {
         name: &[u8],
         kind: FileType,
         mode: u32,
+        umask: u32,
         rdev: u64,
         symlink: Option<Vec<u8>>,
         hold: bool,
@@ -54,6 +55,12 @@ impl Inner {
                 gid,
                 rdev,
                 flags: 0,
+                // The kernel sends the mode unmasked (FUSE_DONT_MASK): the umask applies
+                // only without a default ACL, which the plan decides against etcd.
+                inherit: Some(AclInherit {
+                    umask: (umask & 0o777) as u16,
+                    parent_default: pattr.flags & meta::acl::FLAG_DEFAULT != 0,
+                }),
             },
             symlink,
             hold,
@@ -174,10 +181,21 @@ impl Inner {
         name: &[u8],
         flags: u32,
         mode: u32,
+        umask: u32,
     ) -> Result<Done, Errno> {
         let mut held = None;
         let mark = self.held.mark();
-        let made = self.make_node(h, h.nodeid, name, FileType::Regular, mode, 0, None, true);
+        let made = self.make_node(
+            h,
+            h.nodeid,
+            name,
+            FileType::Regular,
+            mode,
+            umask,
+            0,
+            None,
+            true,
+        );
         let created = made.as_ref().ok().map(|(a, _)| a.ino.0);
         if let Some(ino) = created {
             self.held.adopt(ino, &mark);

@@ -128,7 +128,9 @@ impl Inner {
             drop(f);
             // An orphan is reclaimed by the last close anywhere (`unhold`).
             if orphan {
-                st.lock().mtime_dirty = None;
+                let mut f = st.lock();
+                f.mtime_dirty = None;
+                f.atime_dirty = None;
             } else {
                 self.persist_mtime(&st);
             }
@@ -137,18 +139,21 @@ impl Inner {
         false
     }
 
-    /// Writes a pending in-place-overwrite mtime, holding the file's lock across the commit
+    /// Writes a pending in-place-overwrite mtime (and a read's atime), holding the file's lock across the commit
     /// so that it is ordered with the file's writes and truncates (a FLUSH racing an
     /// extending WRITE on another fd of the file).
     pub(super) fn persist_mtime(&self, st: &FileState) {
         let mut f = st.lock();
-        let Some(t) = f.mtime_dirty.take() else {
+        let (mtime, atime) = (f.mtime_dirty.take(), f.atime_dirty.take());
+        if mtime.is_none() && atime.is_none() {
             return;
-        };
+        }
         let m = Mutation::SetAttr {
             ino: Ino(st.ino),
             set: SetAttr {
-                mtime: Some(TimeSet::At(t)),
+                mtime: mtime.map(TimeSet::At),
+                atime: atime.map(TimeSet::At),
+                access: true,
                 ..SetAttr::default()
             },
         };

@@ -33,8 +33,8 @@ impl Inner {
         }
         if v & abi::FATTR_KILL_SUIDGID != 0 && set.perm.is_none() {
             let cur = self.get_attr(ino)?;
-            if cur.perm & 0o6000 != 0 {
-                set.perm = Some(cur.perm & !0o6000);
+            if killed_perm(cur.perm) != cur.perm {
+                set.perm = Some(killed_perm(cur.perm));
             }
         }
         if v & abi::FATTR_SIZE != 0 {

@@ -92,6 +92,7 @@ impl Inner {
     ) -> Result<Done, Errno> {
         let st = self.files.get(ino).ok_or(Errno::EBADF)?;
         let mut f = st.lock();
+        atime::note_read(&mut f, self.noatime);
         let fsize = f.attr.size;
         if off >= fsize || size == 0 {
             return Ok(Done::Bytes(Vec::new()));
@@ -328,7 +329,7 @@ impl Inner {
             // An overwrite of written blocks inside EOF: no metadata changes but mtime,
             // written at FLUSH/FSYNC/RELEASE. No etcd round trip.
             f.mtime_dirty = Some(now);
-            if kill_suid && f.attr.perm & 0o6000 != 0 {
+            if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
                 drop(f);
                 self.kill_suid(ino)?;
             }
@@ -340,7 +341,7 @@ impl Inner {
             // with the file's next commit (see the module docs).
             let range = (plan.block_off, plan.block_len);
             let outs = self.add_pending(&st, &mut f, range, &merged, allocated, end, now)?;
-            let suid = kill_suid && f.attr.perm & 0o6000 != 0;
+            let suid = kill_suid && killed_perm(f.attr.perm) != f.attr.perm;
             drop(f);
             outs.iter().for_each(|o| self.after_commit_unlocked(o));
             if suid {
@@ -374,7 +375,7 @@ impl Inner {
         if let Some(map) = f.extents.as_mut() {
             files::replace_range(map, plan.block_off, plan.block_len, &merged);
         }
-        let suid = kill_suid && f.attr.perm & 0o6000 != 0;
+        let suid = kill_suid && killed_perm(f.attr.perm) != f.attr.perm;
         drop(f);
         self.after_commit_unlocked(&out);
         if suid {

@@ -325,6 +325,19 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             kernel.extend(i.caches.event(rev, &e));
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
+        // The kernel caches an inode's ACL apart from its attributes, and may have read it
+        // without holding a regular file's lock (the permission check before OPEN): an ACL
+        // another node set, changed (chmod rewrites the mask) or removed is told to the
+        // kernel as an attribute drop, which makes it forget the ACL. Only on ACL events,
+        // not on every change of a file with an ACL (the inode arm above says why not).
+        Some(KeyKind::Xattr(ino, name))
+            if name == meta::acl::ACCESS_NAME || name == meta::acl::DEFAULT_NAME =>
+        {
+            kernel.push(Kernel::InvalInode {
+                ino: ino.0,
+                data: false,
+            });
+        }
         Some(KeyKind::SpaceWanted(asker)) if put => i.space_wanted_by(asker),
         Some(KeyKind::Evict(s)) if put => i.evicted(s),
         Some(KeyKind::CacheWant(ino, asker)) if put && asker != i.locks.me() => {

@@ -1,19 +1,83 @@
 //! Extended attributes: names checked against the namespaces the kernel passes, values
 //! bounded by the metadata codec, each change one etcd commit.
+//!
+//! POSIX ACLs (`system.posix_acl_access` / `_default`) are enforced by the kernel
+//! (FUSE_POSIX_ACL) from the value it reads here once and caches. Setting one is a
+//! `SetAcl`: validated, the mode follows an access ACL, and the inode's ACL flag bits
+//! record which exist, so a GETXATTR of an ACL an inode lacks (the kernel's first
+//! permission check of every inode a non-owner touches) is answered without etcd.
 
 use super::*;
+use meta::acl;
+
+/// Which ACL an xattr name is: `Some(true)` the default ACL, `Some(false)` the access ACL.
+pub(super) fn acl_name(name: &[u8]) -> Option<bool> {
+    match name {
+        acl::ACCESS_NAME => Some(false),
+        acl::DEFAULT_NAME => Some(true),
+        _ => None,
+    }
+}
 
 impl Inner {
+    /// GETXATTR of an ACL the cached attributes say the inode lacks: ENODATA, on the core.
+    pub(super) fn acl_absent(&self, ino: u64, name: &[u8]) -> bool {
+        let Some(default) = acl_name(name) else {
+            return false;
+        };
+        let flag = if default {
+            acl::FLAG_DEFAULT
+        } else {
+            acl::FLAG_ACCESS
+        };
+        let attr = match self.files.try_open_attr(ino) {
+            files::OpenAttr::Attr(a, _) => Some(a),
+            files::OpenAttr::Busy => None,
+            files::OpenAttr::NotOpen => self.caches.attr(ino),
+        };
+        attr.is_some_and(|a| a.flags & flag == 0)
+    }
+
+    /// setxattr/removexattr of an ACL (the caller holds a regular file's lock exclusively:
+    /// the mode changes with an access ACL).
+    fn set_acl(
+        &self,
+        h: &abi::InHeader,
+        ino: u64,
+        default: bool,
+        value: Option<&[u8]>,
+    ) -> Result<Done, Errno> {
+        // ext4 clears set-group-id when the setter is neither privileged nor in the
+        // file's group. The kernel says so only with FUSE_SETXATTR_EXT (refused: it
+        // changes the request layout); the caller's primary group stands in for its
+        // groups (a supplementary member loses the bit too).
+        let kill_sgid = !default && h.uid != 0 && {
+            let a = self.cached_attr(ino)?;
+            a.perm & 0o2000 != 0 && a.gid != h.gid
+        };
+        self.commit(Mutation::SetAcl {
+            ino: Ino(ino),
+            default,
+            value: value.map(<[u8]>::to_vec),
+            kill_sgid,
+        })?;
+        Ok(Done::Empty)
+    }
+
     pub(super) fn setxattr(
         &self,
-        ino: u64,
+        h: &abi::InHeader,
         name: &[u8],
         value: &[u8],
         flags: u32,
     ) -> Result<Done, Errno> {
+        let ino = h.nodeid;
         fusedev::names::check_xattr_name(name)?;
         if value.len() > XATTR_VALUE_LEN_MAX {
             return Err(Errno::E2BIG);
+        }
+        if let Some(default) = acl_name(name) {
+            return self.set_acl(h, ino, default, Some(value));
         }
         let mode = match flags & (abi::XATTR_CREATE | abi::XATTR_REPLACE) {
             0 => XattrMode::Any,
@@ -47,7 +111,9 @@ impl Inner {
         sized(v, size)
     }
 
-    pub(super) fn listxattr(&self, ino: u64, size: u32) -> Result<Done, Errno> {
+    /// `privileged`: the caller may see `trusted.` names (ext4 lists them only to
+    /// CAP_SYS_ADMIN; FUSE passes no capabilities, so root stands in for it).
+    pub(super) fn listxattr(&self, ino: u64, size: u32, privileged: bool) -> Result<Done, Errno> {
         let names = self
             .meta
             .list_xattrs(Ino(ino), XATTR_LIST_NAMES_MAX)
@@ -55,14 +121,25 @@ impl Inner {
             .map_err(|e| errno::meta(&e))?;
         let mut list = Vec::new();
         for n in names {
+            if !privileged && n.starts_with(b"trusted.") {
+                continue;
+            }
             list.extend_from_slice(&n);
             list.push(0);
         }
         sized(list, size)
     }
 
-    pub(super) fn removexattr(&self, ino: u64, name: &[u8]) -> Result<Done, Errno> {
+    pub(super) fn removexattr(&self, h: &abi::InHeader, name: &[u8]) -> Result<Done, Errno> {
+        let ino = h.nodeid;
         fusedev::names::check_xattr_name(name)?;
+        if let Some(default) = acl_name(name) {
+            // ext4 answers 0 to removing an ACL that is not there (the ACL is the mode).
+            if self.acl_absent(ino, name) {
+                return Ok(Done::Empty);
+            }
+            return self.set_acl(h, ino, default, None);
+        }
         match self.commit(Mutation::RemoveXattr {
             ino: Ino(ino),
             name: name.to_vec(),

@@ -234,6 +234,7 @@ impl Session {
             over_io_uring: use_ring,
             splice_write: true,
             locks: handler.serves_locks(),
+            acls: handler.serves_acls(),
             ..InitConfig::default()
         };
         let (init_out, negotiated) = init::negotiate(kernel_init, &init_cfg)

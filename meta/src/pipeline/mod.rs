@@ -26,8 +26,8 @@ use tokio::sync::Notify;
 use self::{commit::Request, ticket::ticket};
 pub use self::{
     mutation::{
-        DevRange, GroupLayout, Mutation, NewInode, Outcome, RenameMode, SetAttr, TimeSet,
-        UnlinkExpect, XattrMode,
+        AclInherit, DevRange, GroupLayout, Mutation, NewInode, Outcome, RenameMode, SetAttr,
+        TimeSet, UnlinkExpect, XattrMode,
     },
     own::{Origin, OwnCommits},
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},

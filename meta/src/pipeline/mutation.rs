@@ -20,6 +20,22 @@ pub struct NewInode {
     pub rdev: u64,
     /// Inode flags.
     pub flags: u32,
+    /// POSIX ACL inheritance (`None`: `perm` is final and no ACL is inherited).
+    pub inherit: Option<AclInherit>,
+}
+
+/// How a new inode's mode and ACLs come from its parent, decided by the plan against the
+/// parent's default ACL as etcd holds it (compared), as ext4 decides them: with a default
+/// ACL the new inode gets it as its access ACL (a directory also as its default ACL) and
+/// the mode is masked by it, without the umask; without one the umask applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AclInherit {
+    /// The creator's umask.
+    pub umask: u16,
+    /// The submitter believes the parent has a default ACL (`acl::FLAG_DEFAULT` in its
+    /// cached attributes): the plan reads it. Otherwise it assumes none, guarded by a
+    /// compare on its absence (a failed compare re-plans with what etcd holds).
+    pub parent_default: bool,
 }
 
 /// How `rename` treats an existing destination.
@@ -59,6 +75,9 @@ pub struct SetAttr {
     pub mtime: Option<TimeSet>,
     /// New inode flags.
     pub flags: Option<u32>,
+    /// `atime` is a read's access time (relatime): it only moves forward, and on its own
+    /// it leaves ctime alone, as a read does on ext4.
+    pub access: bool,
 }
 
 /// xattr set semantics.
@@ -188,6 +207,21 @@ pub enum Mutation {
         /// Create/replace semantics.
         mode: XattrMode,
     },
+    /// Set or remove a POSIX ACL (`system.posix_acl_access` / `_default`): the value is
+    /// validated, an access ACL sets the mode's rwx bits and is stored only when the mode
+    /// cannot say it (ext4's rules, `crate::acl`), and the inode's ACL flag bits follow,
+    /// all in one transaction with the inode.
+    SetAcl {
+        /// The inode.
+        ino: Ino,
+        /// The default ACL (else the access ACL).
+        default: bool,
+        /// The xattr value; `None` removes it.
+        value: Option<Vec<u8>>,
+        /// Clear the set-group-id bit too (the setter is neither in the file's group nor
+        /// privileged, as the kernel reports it).
+        kill_sgid: bool,
+    },
     /// removexattr.
     RemoveXattr {
         /// The inode.
@@ -298,6 +332,7 @@ impl Mutation {
             Mutation::SetAttr { .. } => "setattr",
             Mutation::SetXattr { .. } => "setxattr",
             Mutation::RemoveXattr { .. } => "removexattr",
+            Mutation::SetAcl { .. } => "set_acl",
             Mutation::SetExtents { .. } => "set_extents",
             Mutation::FreeMaps { .. } => "free_maps",
             Mutation::ReclaimOrphan { .. } => "reclaim_orphan",

@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::{
+    acl,
     codec::{
         decode_at, Dentry, DirParent, Extent, InoCounter, InodeAttr, Owner, Record, Released,
         SymlinkTarget, XattrValue,
@@ -20,7 +21,8 @@ use crate::{
     keys::Keyspace,
     kv::{Compare, KeyValue, PutOp, RangeRequest, RangeResponse, TxnOp},
     pipeline::mutation::{
-        DevRange, GroupLayout, Mutation, Outcome, RenameMode, TimeSet, UnlinkExpect, XattrMode,
+        AclInherit, DevRange, GroupLayout, Mutation, Outcome, RenameMode, TimeSet, UnlinkExpect,
+        XattrMode,
     },
     types::{name_is_valid, FileType, Ino, SessionId, Timespec, XATTR_NAME_LEN_MAX},
 };
@@ -573,6 +575,12 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
         Mutation::RemoveXattr { ino, name } => {
             plan_setxattr(&mut p, *ino, name, None, XattrMode::Replace)
         }
+        Mutation::SetAcl {
+            ino,
+            default,
+            value,
+            kill_sgid,
+        } => plan_set_acl(&mut p, *ino, *default, value.as_deref(), *kill_sgid),
         Mutation::SetExtents {
             ino,
             off,
@@ -629,10 +637,21 @@ fn plan_create(
     }
     let now = p.ctx.now;
     let is_dir = new.kind == FileType::Directory;
+    let (perm, acls) = match new.inherit {
+        Some(inherit) => inherit_acls(p, parent, new, inherit)?,
+        None => (new.perm, Inherited::default()),
+    };
+    let mut flags = new.flags & !acl::FLAGS;
+    if acls.access.is_some() {
+        flags |= acl::FLAG_ACCESS;
+    }
+    if acls.default.is_some() {
+        flags |= acl::FLAG_DEFAULT;
+    }
     let attr = InodeAttr {
         ino,
         kind: new.kind,
-        perm: new.perm,
+        perm,
         uid: new.uid,
         gid: new.gid,
         size: symlink.map_or(0, |s| s.len() as u64),
@@ -643,7 +662,7 @@ fn plan_create(
         crtime: now,
         rdev: new.rdev,
         generation: 1,
-        flags: new.flags,
+        flags,
     };
     if is_dir {
         // mkdir bumps the parent's link count, so it reads and compares the parent.
@@ -677,6 +696,12 @@ fn plan_create(
             return Err(Stop::Fail(MetaError::Invalid("symlink target iff symlink")));
         }
         _ => {}
+    }
+    if let Some(v) = acls.access {
+        p.put(k.xattr(ino, acl::ACCESS_NAME), &XattrValue(v));
+    }
+    if let Some(v) = acls.default {
+        p.put(k.xattr(ino, acl::DEFAULT_NAME), &XattrValue(v));
     }
     p.put(k.inode(ino), &attr);
     p.put(
@@ -1130,6 +1155,28 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
             )));
         }
         a.perm = perm;
+        if a.flags & acl::FLAG_ACCESS != 0 {
+            // chmod rewrites the access ACL's owner, mask (or group) and other entries.
+            let key = k.xattr(ino, acl::ACCESS_NAME);
+            let kv = p.kv(&key)?;
+            p.compare(Compare::mod_rev(
+                key.clone(),
+                kv.map_or(0, |kv| kv.mod_revision),
+            ));
+            if let Some(kv) = kv {
+                let v: XattrValue = p.decode(kv)?;
+                let corrupt = |reason: &str| {
+                    Stop::Fail(MetaError::Corrupt {
+                        key: k.describe(&key),
+                        reason: reason.to_string(),
+                    })
+                };
+                if let Some(mut acl) = acl::Acl::decode(&v.0).map_err(corrupt)? {
+                    acl.chmod(perm);
+                    p.put(key, &XattrValue(acl.encode()));
+                }
+            }
+        }
     }
     if let Some(uid) = set.uid {
         a.uid = uid;
@@ -1138,10 +1185,12 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
         a.gid = gid;
     }
     if let Some(flags) = set.flags {
-        a.flags = flags;
+        // The ACL bits belong to the ACLs (SetAcl); flags never move them.
+        a.flags = (flags & !acl::FLAGS) | (a.flags & acl::FLAGS);
     }
     if let Some(t) = set.atime {
-        a.atime = time(t, now)?;
+        let t = time(t, now)?;
+        a.atime = if set.access { a.atime.max(t) } else { t };
     }
     if let Some(size) = set.size {
         if a.kind != FileType::Regular {
@@ -1186,7 +1235,16 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
     if let Some(t) = set.mtime {
         a.mtime = time(t, now)?;
     }
-    a.ctime = now;
+    let access_only = set.access
+        && set.perm.is_none()
+        && set.uid.is_none()
+        && set.gid.is_none()
+        && set.size.is_none()
+        && set.mtime.is_none()
+        && set.flags.is_none();
+    if !access_only {
+        a.ctime = now;
+    }
     p.put(k.inode(ino), &a);
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(a);
@@ -1230,6 +1288,112 @@ fn plan_setxattr(
     }
     p.plan.touch.push((ino, false));
     p.plan.outcome.ino = Some(ino);
+    Ok(())
+}
+
+/// The ACL xattrs a new inode gets.
+#[derive(Default)]
+struct Inherited {
+    access: Option<Vec<u8>>,
+    default: Option<Vec<u8>>,
+}
+
+/// A new inode's permission bits and ACLs from its parent's default ACL (`crate::acl`).
+/// The parent's default ACL is read when the submitter says there is one, else assumed
+/// absent under a compare; either way the value used is the one compared.
+fn inherit_acls(
+    p: &mut P<'_>,
+    parent: Ino,
+    new: &crate::pipeline::mutation::NewInode,
+    inherit: AclInherit,
+) -> R<(u16, Inherited)> {
+    let k = p.keys();
+    let key = k.xattr(parent, acl::DEFAULT_NAME);
+    let kv = match p.snap.key(&key) {
+        Some(kv) => kv,
+        None if inherit.parent_default => p.kv(&key)?,
+        None => None,
+    };
+    p.compare(Compare::mod_rev(
+        key.clone(),
+        kv.map_or(0, |kv| kv.mod_revision),
+    ));
+    let umask = inherit.umask & 0o777;
+    // Symlinks have no ACLs and ignore both (their mode is always 0777).
+    if new.kind == FileType::Symlink {
+        return Ok((new.perm, Inherited::default()));
+    }
+    let Some(kv) = kv else {
+        return Ok((new.perm & !umask, Inherited::default()));
+    };
+    let value: XattrValue = p.decode(kv)?;
+    let bad = |reason: &str| {
+        Stop::Fail(MetaError::Corrupt {
+            key: k.describe(&key),
+            reason: reason.to_string(),
+        })
+    };
+    let Some(default) = acl::Acl::decode(&value.0).map_err(bad)? else {
+        return Ok((new.perm & !umask, Inherited::default()));
+    };
+    let (perm, access) = default.inherit(new.perm);
+    Ok((
+        perm,
+        Inherited {
+            access: access.map(|a| a.encode()),
+            default: (new.kind == FileType::Directory).then(|| default.encode()),
+        },
+    ))
+}
+
+/// Sets or removes an ACL with the inode, in one transaction: the mode follows an access
+/// ACL, and the inode's flag bits say which ACLs exist.
+fn plan_set_acl(
+    p: &mut P<'_>,
+    ino: Ino,
+    default: bool,
+    value: Option<&[u8]>,
+    kill_sgid: bool,
+) -> R<()> {
+    let k = p.keys();
+    let name = if default {
+        acl::DEFAULT_NAME
+    } else {
+        acl::ACCESS_NAME
+    };
+    let key = k.xattr(ino, name);
+    let (mut a, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    p.compare(Compare::mod_rev(k.inode(ino), rev));
+    let invalid = |reason: &'static str| Stop::Fail(MetaError::Invalid(reason));
+    let (flag, store) = if default {
+        if a.kind != FileType::Directory && value.is_some() {
+            return Err(invalid("default acl on a non-directory"));
+        }
+        (acl::FLAG_DEFAULT, acl::set_default(value).map_err(invalid)?)
+    } else {
+        let (perm, store) = acl::set_access(a.perm, value).map_err(invalid)?;
+        a.perm = if kill_sgid { perm & !0o2000 } else { perm };
+        (acl::FLAG_ACCESS, store)
+    };
+    match store {
+        Some(v) => {
+            let v = XattrValue(v);
+            if v.validate().is_err() {
+                return Err(invalid("xattr value too long"));
+            }
+            p.put(key, &v);
+            a.flags |= flag;
+        }
+        None => {
+            // Blind: deleting a key that is not there is a no-op.
+            p.delete(key);
+            a.flags &= !flag;
+        }
+    }
+    a.ctime = p.ctx.now;
+    p.put(k.inode(ino), &a);
+    p.plan.outcome.ino = Some(ino);
+    p.plan.outcome.attr = Some(a);
     Ok(())
 }
 

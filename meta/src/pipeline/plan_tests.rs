@@ -37,6 +37,7 @@ fn file(kind: FileType) -> NewInode {
         gid: 2,
         rdev: 0,
         flags: 0,
+        inherit: None,
     }
 }
 
@@ -1073,5 +1074,229 @@ async fn freed_ranges_are_logged_in_the_freeing_txn() {
     w.run(fm).await.unwrap();
     for off in logged {
         assert!(!w.exists(w.keys.released(off)).await);
+    }
+}
+
+mod acls {
+    use super::*;
+    use crate::{
+        acl::{self, Acl, Entry, Tag},
+        codec::XattrValue,
+    };
+
+    fn default_acl() -> Vec<u8> {
+        Acl::new(vec![
+            Entry {
+                tag: Tag::UserObj,
+                perm: 7,
+            },
+            Entry {
+                tag: Tag::User(1000),
+                perm: 0,
+            },
+            Entry {
+                tag: Tag::GroupObj,
+                perm: 5,
+            },
+            Entry {
+                tag: Tag::Mask,
+                perm: 7,
+            },
+            Entry {
+                tag: Tag::Other,
+                perm: 5,
+            },
+        ])
+        .unwrap()
+        .encode()
+    }
+
+    fn created(kind: FileType, perm: u16, umask: u16, parent_default: bool) -> Mutation {
+        Mutation::Create {
+            parent: Ino::ROOT,
+            name: format!("{kind:?}{perm:o}").into_bytes(),
+            inode: NewInode {
+                perm,
+                inherit: Some(AclInherit {
+                    umask,
+                    parent_default,
+                }),
+                ..file(kind)
+            },
+            symlink: (kind == FileType::Symlink).then(|| b"t".to_vec()),
+            hold: false,
+        }
+    }
+
+    async fn xattr(w: &World, ino: Ino, name: &[u8]) -> Option<Vec<u8>> {
+        let r =
+            w.kv.range(RangeRequest::key(w.keys.xattr(ino, name)))
+                .await
+                .unwrap();
+        r.kvs
+            .first()
+            .map(|kv| XattrValue::decode(&kv.value).unwrap().0)
+    }
+
+    async fn set(w: &mut World, ino: Ino, default: bool, value: Option<Vec<u8>>) -> Outcome {
+        w.run(Mutation::SetAcl {
+            ino,
+            default,
+            value,
+            kill_sgid: false,
+        })
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn without_a_default_acl_the_umask_applies() {
+        let mut w = World::new().await;
+        let (p, rounds) = w
+            .plan(
+                &created(FileType::Regular, 0o666, 0o022, false),
+                &mut Snapshot::default(),
+            )
+            .await;
+        assert_eq!(
+            rounds, 0,
+            "still blind: the default ACL's absence is compared"
+        );
+        let o = w.apply(&p.unwrap()).await.unwrap();
+        let a = o.attr.unwrap();
+        assert_eq!((a.perm, a.flags), (0o644, 0));
+        assert_eq!(xattr(&w, a.ino, acl::ACCESS_NAME).await, None);
+    }
+
+    #[tokio::test]
+    async fn a_default_acl_is_inherited_without_the_umask() {
+        let mut w = World::new().await;
+        let o = set(&mut w, Ino::ROOT, true, Some(default_acl())).await;
+        assert_eq!(o.attr.unwrap().flags, acl::FLAG_DEFAULT);
+        // A file: access ACL only, masked by the mode asked for; the umask ignored.
+        let f = w
+            .run(created(FileType::Regular, 0o666, 0o077, true))
+            .await
+            .unwrap()
+            .attr
+            .unwrap();
+        assert_eq!(f.perm, 0o664);
+        assert_eq!(f.flags, acl::FLAG_ACCESS);
+        let access = Acl::decode(&xattr(&w, f.ino, acl::ACCESS_NAME).await.unwrap())
+            .unwrap()
+            .unwrap();
+        assert_eq!(access.mode_bits(), 0o664);
+        assert_eq!(xattr(&w, f.ino, acl::DEFAULT_NAME).await, None);
+        // A directory: both, the default verbatim.
+        let d = w
+            .run(created(FileType::Directory, 0o777, 0o077, true))
+            .await
+            .unwrap()
+            .attr
+            .unwrap();
+        assert_eq!(d.perm, 0o775);
+        assert_eq!(d.flags, acl::FLAGS);
+        assert_eq!(
+            xattr(&w, d.ino, acl::DEFAULT_NAME).await,
+            Some(default_acl())
+        );
+        // A symlink: nothing.
+        let s = w
+            .run(created(FileType::Symlink, 0o777, 0o077, true))
+            .await
+            .unwrap()
+            .attr
+            .unwrap();
+        assert_eq!((s.perm, s.flags), (0o777, 0));
+    }
+
+    #[tokio::test]
+    async fn a_stale_belief_in_no_default_acl_is_caught() {
+        let mut w = World::new().await;
+        let m = created(FileType::Regular, 0o666, 0o022, false);
+        let mut snap = Snapshot::default();
+        let (p, _) = w.plan(&m, &mut snap).await;
+        // Another node sets the parent's default ACL between plan and commit.
+        set(&mut w, Ino::ROOT, true, Some(default_acl())).await;
+        assert!(
+            w.apply(&p.unwrap()).await.is_err(),
+            "the absence was compared"
+        );
+        // The retry plans from what etcd holds.
+        let key = w.keys.xattr(Ino::ROOT, acl::DEFAULT_NAME);
+        let r = w.kv.range(RangeRequest::key(key.clone())).await.unwrap();
+        snap.insert(&RangeRequest::key(key), r);
+        let (p, _) = w.plan(&m, &mut snap).await;
+        let a = w.apply(&p.unwrap()).await.unwrap().attr.unwrap();
+        assert_eq!((a.perm, a.flags), (0o664, acl::FLAG_ACCESS));
+    }
+
+    #[tokio::test]
+    async fn access_acls_set_the_mode_and_chmod_sets_the_mask() {
+        let mut w = World::new().await;
+        let ino = w.create(Ino::ROOT, "f", FileType::Regular).await;
+        let o = set(&mut w, ino, false, Some(default_acl())).await;
+        let a = o.attr.unwrap();
+        assert_eq!((a.perm, a.flags), (0o775, acl::FLAG_ACCESS));
+        // chmod 640 rewrites owner, mask and other in the same transaction.
+        w.run(Mutation::SetAttr {
+            ino,
+            set: SetAttr {
+                perm: Some(0o640),
+                ..Default::default()
+            },
+        })
+        .await
+        .unwrap();
+        let acl = Acl::decode(&xattr(&w, ino, acl::ACCESS_NAME).await.unwrap())
+            .unwrap()
+            .unwrap();
+        assert_eq!(acl.mode_bits(), 0o640);
+        assert!(acl.entries().contains(&Entry {
+            tag: Tag::GroupObj,
+            perm: 5
+        }));
+        // An ACL the mode says in full: only the mode is kept.
+        let minimal = Acl::new(vec![
+            Entry {
+                tag: Tag::UserObj,
+                perm: 6,
+            },
+            Entry {
+                tag: Tag::GroupObj,
+                perm: 0,
+            },
+            Entry {
+                tag: Tag::Other,
+                perm: 0,
+            },
+        ])
+        .unwrap();
+        let a = set(&mut w, ino, false, Some(minimal.encode()))
+            .await
+            .attr
+            .unwrap();
+        assert_eq!((a.perm, a.flags), (0o600, 0));
+        assert_eq!(xattr(&w, ino, acl::ACCESS_NAME).await, None);
+        // Malformed values and default ACLs on files change nothing.
+        let bad = w
+            .run(Mutation::SetAcl {
+                ino,
+                default: false,
+                value: Some(vec![2, 0, 0, 0, 1]),
+                kill_sgid: false,
+            })
+            .await;
+        assert!(matches!(bad, Err(MetaError::Invalid(_))));
+        let bad = w
+            .run(Mutation::SetAcl {
+                ino,
+                default: true,
+                value: Some(default_acl()),
+                kill_sgid: false,
+            })
+            .await;
+        assert!(matches!(bad, Err(MetaError::Invalid(_))));
+        assert_eq!(w.inode(ino).await.unwrap().perm, 0o600);
     }
 }
