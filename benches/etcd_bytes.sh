@@ -48,7 +48,7 @@ log() { echo "[etcd_bytes] $*" >&2; }
 compact_and_measure() {
 	local rev
 	rev=$(etcdctl --endpoints "$EP" endpoint status -w json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["header"]["revision"])')
-	etcdctl --endpoints "$EP" compact "$rev" >/dev/null
+	etcdctl --endpoints "$EP" compact --physical "$rev" >/dev/null
 	etcdctl --endpoints "$EP" defrag >/dev/null
 	local db
 	db=$(etcdctl --endpoints "$EP" endpoint status -w json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["dbSize"])')
