@@ -72,16 +72,24 @@ fn check_files(dir: &Path, kept: &[usize]) {
     }
 }
 
-#[test]
-fn killing_the_etcd_leader_under_load_reaches_no_application() {
-    let test = "etcd_leader_kill";
+/// A private etcd of `members` (with `extra` flags) and a formatted filesystem on it, after
+/// the prerequisite checks (`None`: skipped).
+fn cluster_fs(test: &str, members: usize, extra: &[&str]) -> Option<(EtcdCluster, TestFs)> {
     if !can_run(test, None) || !EtcdCluster::available() {
         common::skip(test, "needs root, FUSE and the etcd binary");
-        return;
+        return None;
     }
-    let mut etcd = EtcdCluster::start(test, 3);
+    let etcd = EtcdCluster::start_with(test, members, extra);
     let mut fs = TestFs::blank(test, &etcd.endpoints(), 256 << 20);
     fs.mkfs();
+    Some((etcd, fs))
+}
+
+#[test]
+fn killing_the_etcd_leader_under_load_reaches_no_application() {
+    let Some((mut etcd, fs)) = cluster_fs("etcd_leader_kill", 3, &[]) else {
+        return;
+    };
     let a = fs.mount_node("a", "auto", &[]);
     let dir = a.path("");
     let stop = Arc::new(AtomicBool::new(false));
@@ -127,14 +135,9 @@ fn killing_the_etcd_leader_under_load_reaches_no_application() {
 
 #[test]
 fn a_lost_etcd_majority_fails_operations_in_seconds_and_they_work_again_after() {
-    let test = "etcd_majority";
-    if !can_run(test, None) || !EtcdCluster::available() {
-        common::skip(test, "needs root, FUSE and the etcd binary");
+    let Some((mut etcd, fs)) = cluster_fs("etcd_majority", 3, &[]) else {
         return;
-    }
-    let mut etcd = EtcdCluster::start(test, 3);
-    let mut fs = TestFs::blank(test, &etcd.endpoints(), 256 << 20);
-    fs.mkfs();
+    };
     // A lease long enough that the node is not fenced during the outage: what is tested
     // here is the behaviour before that (see tests/fencing.rs for after).
     let a = fs.mount_node("a", "auto", &["--lease-ttl", "60"]);
@@ -212,14 +215,10 @@ fn a_lost_etcd_majority_fails_operations_in_seconds_and_they_work_again_after() 
 /// etcd's quota as the cause and what to do, and reads keep working.
 #[test]
 fn etcd_quota_alarm_is_enospc_with_a_log_line_that_says_so() {
-    let test = "etcd_quota";
-    if !can_run(test, None) || !EtcdCluster::available() {
-        common::skip(test, "needs root, FUSE and the etcd binary");
+    let Some((_etcd, fs)) = cluster_fs("etcd_quota", 1, &["--quota-backend-bytes", "16777216"])
+    else {
         return;
-    }
-    let etcd = EtcdCluster::start_with(test, 1, &["--quota-backend-bytes", "16777216"]);
-    let mut fs = TestFs::blank(test, &etcd.endpoints(), 256 << 20);
-    fs.mkfs();
+    };
     let a = fs.mount_node("a", "auto", &[]);
     let value = "v".repeat(60 * 1024);
     let mut errno = None;

@@ -76,15 +76,7 @@ fn create(parent: Ino, name: &str, kind: FileType) -> Mutation {
     Mutation::Create {
         parent,
         name: name.as_bytes().to_vec(),
-        inode: NewInode {
-            kind,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            flags: 0,
-            inherit: None,
-        },
+        inode: NewInode::root_owned(kind, 0o644),
         symlink: None,
         hold: false,
     }

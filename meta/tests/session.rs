@@ -89,15 +89,7 @@ async fn crash_frees_groups_and_orphans_on_model() {
     assert_eq!(a.owned_groups().await.unwrap(), vec![GroupId(0)]);
     // a has an unlinked-but-open file.
     let f = Ino(5000);
-    let new = NewInode {
-        kind: FileType::Regular,
-        perm: 0o644,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-        flags: 0,
-        inherit: None,
-    };
+    let new = NewInode::root_owned(FileType::Regular, 0o644);
     let create = Mutation::Create {
         parent: Ino::ROOT,
         name: b"f".to_vec(),
@@ -309,15 +301,7 @@ async fn a_dead_sessions_keys_all_go_with_its_lease() {
     let create = Mutation::Create {
         parent: Ino::ROOT,
         name: b"f".to_vec(),
-        inode: NewInode {
-            kind: FileType::Regular,
-            perm: 0o644,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            flags: 0,
-            inherit: None,
-        },
+        inode: NewInode::root_owned(FileType::Regular, 0o644),
         symlink: None,
         hold: true,
     };

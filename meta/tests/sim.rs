@@ -46,15 +46,7 @@ fn to_mutation(op: &Op, seen: Option<&Seen>) -> Mutation {
         Op::Create(p, n) => Mutation::Create {
             parent: p,
             name: n.into_bytes(),
-            inode: NewInode {
-                kind: FileType::Regular,
-                perm: 0o644,
-                uid: 0,
-                gid: 0,
-                rdev: 0,
-                flags: 0,
-                inherit: None,
-            },
+            inode: NewInode::root_owned(FileType::Regular, 0o644),
             symlink: None,
             hold: false,
         },
@@ -233,15 +225,7 @@ fn run_seed(seed: u64) {
         let m = Mutation::Create {
             parent: Ino::ROOT,
             name: d.as_bytes().to_vec(),
-            inode: NewInode {
-                kind: FileType::Directory,
-                perm: 0o755,
-                uid: 0,
-                gid: 0,
-                rdev: 0,
-                flags: 0,
-                inherit: None,
-            },
+            inode: NewInode::root_owned(FileType::Directory, 0o755),
             symlink: None,
             hold: false,
         };

@@ -24,6 +24,22 @@ pub struct NewInode {
     pub inherit: Option<AclInherit>,
 }
 
+impl NewInode {
+    /// An inode of `kind` owned by root with permission bits `perm`, no device number,
+    /// flags or ACL inheritance.
+    pub fn root_owned(kind: FileType, perm: u16) -> Self {
+        NewInode {
+            kind,
+            perm,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            flags: 0,
+            inherit: None,
+        }
+    }
+}
+
 /// How a new inode's mode and ACLs come from its parent, decided by the plan against the
 /// parent's default ACL as etcd holds it (compared), as ext4 decides them: with a default
 /// ACL the new inode gets it as its access ACL (a directory also as its default ACL) and
