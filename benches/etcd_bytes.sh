@@ -47,12 +47,12 @@ log() { echo "[etcd_bytes] $*" >&2; }
 # "db_size keys kv_bytes" (the database file, and the live keys with their bytes).
 compact_and_measure() {
 	local rev
-	rev=$(etcdctl --endpoints "$EP" endpoint status -w json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["header"]["revision"])')
-	etcdctl --endpoints "$EP" compact --physical "$rev" >/dev/null
-	etcdctl --endpoints "$EP" defrag >/dev/null
+	rev=$(etcdctl --endpoints "$EP" --command-timeout 300s endpoint status -w json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["header"]["revision"])')
+	etcdctl --endpoints "$EP" --command-timeout 300s compact --physical "$rev" >/dev/null
+	etcdctl --endpoints "$EP" --command-timeout 300s defrag >/dev/null
 	local db
-	db=$(etcdctl --endpoints "$EP" endpoint status -w json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["dbSize"])')
-	etcdctl --endpoints "$EP" get "" --from-key -w json | python3 -c '
+	db=$(etcdctl --endpoints "$EP" --command-timeout 300s endpoint status -w json | python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["Status"]["dbSize"])')
+	etcdctl --endpoints "$EP" --command-timeout 300s get "" --from-key -w json | python3 -c '
 import base64, json, sys
 kvs = json.load(sys.stdin).get("kvs", [])
 n = sum(len(base64.b64decode(k["key"])) + len(base64.b64decode(k.get("value", ""))) for k in kvs)
