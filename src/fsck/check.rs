@@ -408,6 +408,10 @@ impl Checker {
         }
     }
 
+    pub(crate) fn geometry(&self) -> &Geometry {
+        &self.geo
+    }
+
     pub(crate) fn keys(&self) -> &Keyspace {
         &self.keys
     }
@@ -913,22 +917,6 @@ impl Checker {
                 self.report(Class::StrayRecord, msg, None);
             }
             if e.is_dir() {
-                let want = 2 + i64::from(e.subdirs);
-                let after = want + self.subdir_delta.get(&e.ino).copied().unwrap_or(0);
-                let fix = (i64::from(e.nlink) != after).then(|| Fix::SetNlink {
-                    ino,
-                    nlink: u32::try_from(after).unwrap_or(u32::MAX),
-                });
-                if i64::from(e.nlink) != want {
-                    let msg = format!(
-                        "directory {ino} has link count {}, it has {} subdirectories (so {want})",
-                        e.nlink, e.subdirs
-                    );
-                    self.report(Class::LinkCount, msg, fix);
-                } else if let Some(fix) = fix {
-                    // Only the repair's own reconnections change it: no finding of its own.
-                    self.plan.push(fix);
-                }
                 continue;
             }
             if e.links == 0 {
@@ -998,6 +986,31 @@ impl Checker {
                         nlink: e.links,
                     }),
                 );
+            }
+        }
+        // Directories last: a file reconnected above may create lost+found, one more
+        // subdirectory of the root.
+        for i in 0..self.inodes.len() {
+            let e = self.inodes[i];
+            if e.has(flag::CORRUPT) || !e.is_dir() {
+                continue;
+            }
+            let ino = Ino(e.ino);
+            let want = 2 + i64::from(e.subdirs);
+            let after = want + self.subdir_delta.get(&e.ino).copied().unwrap_or(0);
+            let fix = (i64::from(e.nlink) != after).then(|| Fix::SetNlink {
+                ino,
+                nlink: u32::try_from(after).unwrap_or(u32::MAX),
+            });
+            if i64::from(e.nlink) != want {
+                let msg = format!(
+                    "directory {ino} has link count {}, it has {} subdirectories (so {want})",
+                    e.nlink, e.subdirs
+                );
+                self.report(Class::LinkCount, msg, fix);
+            } else if let Some(fix) = fix {
+                // Only the repair's own reconnections change it: no finding of its own.
+                self.plan.push(fix);
             }
         }
     }

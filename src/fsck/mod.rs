@@ -200,8 +200,39 @@ pub(crate) async fn fsck(
         );
     }
 
+    let nodes = scan_all(kv, keys, &mut ck, repair, progress).await?;
+    let mut repair_stopped = None;
+    if repair && !ck.plan.is_empty() {
+        let (applied, stopped) = repair::apply(kv, &ck, Some((dev, dev_path, sb.uuid))).await;
+        ck.mark_fixed(&applied);
+        repair_stopped = stopped;
+    }
+    Ok(Outcome {
+        checker: ck,
+        fs,
+        nodes,
+        repair,
+        repair_stopped,
+    })
+}
+
+/// Reads every record of the filesystem at the checker's revision, in the order the
+/// checks need (see [`check`]); with `repair`, refuses once it finds a mounted node.
+/// Returns the mounted nodes: (name, session).
+pub(crate) async fn scan_all(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ck: &mut Checker,
+    repair: bool,
+    progress: &mut Progress,
+) -> Result<Vec<(String, u64)>> {
+    let geo = *ck.geometry();
     let mut nodes = Vec::new();
-    let mut s = Scanner { kv, rev, progress };
+    let mut s = Scanner {
+        kv,
+        rev: ck.revision,
+        progress,
+    };
     s.scan("node records", keys.members(), PAGE_KEYS, |kv| {
         ck.member(kv);
         let name = NodeInfo::decode(&kv.value)
@@ -336,19 +367,7 @@ pub(crate) async fn fsck(
     ck.finish();
     s.progress.clear();
 
-    let mut repair_stopped = None;
-    if repair && !ck.plan.is_empty() {
-        let (applied, stopped) = repair::apply(kv, &ck, dev, dev_path, sb.uuid).await;
-        ck.mark_fixed(&applied);
-        repair_stopped = stopped;
-    }
-    Ok(Outcome {
-        checker: ck,
-        fs,
-        nodes,
-        repair,
-        repair_stopped,
-    })
+    Ok(nodes)
 }
 
 /// Every key of one tag, from any key of that tag.

@@ -113,13 +113,14 @@ impl Ctx<'_> {
     async fn apply(
         &mut self,
         fix: &Fix,
-        dev: &mut PsyncDev,
-        dev_path: &Path,
-        uuid: [u8; 16],
+        dev: Option<(&mut PsyncDev, &Path, [u8; 16])>,
     ) -> Result<(), Stop> {
         let keys = self.ck.keys().clone();
         match fix {
             Fix::RewriteSuperblock { .. } => {
+                let Some((dev, dev_path, uuid)) = dev else {
+                    return Err(Stop::Error("no device to rewrite the superblock on".into()));
+                };
                 // `check` rewrites whichever copy is damaged from the valid one.
                 dmkfs::check(dev, dev_path, uuid)
                     .map(|_| ())
@@ -373,9 +374,7 @@ impl Ctx<'_> {
 pub(super) async fn apply(
     kv: &dyn KvBackend,
     ck: &Checker,
-    dev: &mut PsyncDev,
-    dev_path: &Path,
-    uuid: [u8; 16],
+    mut dev: Option<(&mut PsyncDev, &Path, [u8; 16])>,
 ) -> (Vec<bool>, Option<String>) {
     let mut order: Vec<usize> = (0..ck.plan.len()).collect();
     order.sort_by_key(|&i| stage(&ck.plan[i]));
@@ -392,7 +391,10 @@ pub(super) async fn apply(
             applied[i] = true;
             continue;
         }
-        match ctx.apply(fix, dev, dev_path, uuid).await {
+        match ctx
+            .apply(fix, dev.as_mut().map(|(d, p, u)| (&mut **d, *p, *u)))
+            .await
+        {
             Ok(()) => {
                 applied[i] = true;
                 superblock_done |= matches!(fix, Fix::RewriteSuperblock { .. });
