@@ -272,4 +272,18 @@ fn fsck_of_an_unformatted_device_or_unknown_prefix_is_an_operational_error() {
     // The right device, clean.
     let (code, v, _) = fsck(&other, &[]);
     assert_eq!(code, 0, "{v:#}");
+    // A damaged backup superblock (the device's last block) is found and rewritten.
+    let len = fs::metadata(&other.image).unwrap().len();
+    let mut img = OpenOptions::new().write(true).open(&other.image).unwrap();
+    img.seek(SeekFrom::Start(len / 4096 * 4096 - 4096)).unwrap();
+    img.write_all(&[0xa5; 512]).unwrap();
+    img.sync_all().unwrap();
+    drop(img);
+    let (code, v, _) = fsck(&other, &[]);
+    assert_eq!(code, 4, "{v:#}");
+    assert_eq!(classes(&v), vec!["superblock_copy".to_string()], "{v:#}");
+    let (code, v, _) = fsck(&other, &["--repair"]);
+    assert_eq!(code, 1, "{v:#}");
+    let (code, v, _) = fsck(&other, &[]);
+    assert_eq!(code, 0, "{v:#}");
 }
