@@ -408,6 +408,11 @@ impl Checker {
         }
     }
 
+    /// Sizes the inode table for `n` inodes.
+    pub(crate) fn expect_inodes(&mut self, n: usize) {
+        self.inodes.reserve_exact(n);
+    }
+
     pub(crate) fn geometry(&self) -> &Geometry {
         &self.geo
     }

@@ -265,6 +265,19 @@ pub(crate) async fn scan_all(
         |kv| ck.counter(kv),
     )
     .await?;
+    // One entry per inode: sized once from etcd's count, not grown by doubling.
+    let r = keys.inodes();
+    let count = kv
+        .range(
+            RangeRequest::range(r.start, r.end)
+                .keys_only()
+                .limit(1)
+                .at(ck.revision),
+        )
+        .await
+        .map_err(|e| anyhow!("counting the inodes: {e}"))?
+        .count;
+    ck.expect_inodes(usize::try_from(count).unwrap_or(0));
     s.scan("inodes", keys.inodes(), PAGE_KEYS, |kv| ck.inode(kv))
         .await?;
     s.scan(
