@@ -408,6 +408,11 @@ impl Checker {
         }
     }
 
+    /// The inode counter read (inode numbers at or above it are findings).
+    pub(crate) fn ino_hi(&self) -> u64 {
+        self.counter
+    }
+
     /// Sizes the inode table for `n` inodes.
     pub(crate) fn expect_inodes(&mut self, n: usize) {
         self.inodes.reserve_exact(n);
