@@ -428,13 +428,17 @@ impl Scanner<'_> {
         page: i64,
         mut f: impl FnMut(&KeyValue),
     ) -> Result<()> {
-        let mut start = range.start;
         let mut n = self.progress.start(what);
-        loop {
-            let req = RangeRequest::range(start, range.end.clone())
+        // Ranges still to read, the next in key order last. A range holding many more keys
+        // than a page is split in two after its first page: etcd 3.4 gathers every key of
+        // a request's range to count them, so paging through a large range costs the
+        // square of its size, and halving keeps the total near n log n.
+        let mut todo = vec![range];
+        while let Some(r) = todo.pop() {
+            let req = RangeRequest::range(r.start.clone(), r.end.clone())
                 .limit(page)
                 .at(self.rev);
-            let r = self.kv.range(req).await.map_err(|e| match e {
+            let resp = self.kv.range(req).await.map_err(|e| match e {
                 KvError::Compacted { .. } => anyhow!(
                     "etcd compacted revision {} while fsck was reading it ({what}); run again \
                      (etcd's auto-compaction retention must outlast one fsck run)",
@@ -442,23 +446,67 @@ impl Scanner<'_> {
                 ),
                 e => anyhow!("reading the {what} from etcd: {e}"),
             })?;
-            for kv in &r.kvs {
+            for kv in &resp.kvs {
                 f(kv);
                 n += 1;
                 if n % PROGRESS_EVERY == 0 {
                     self.progress.show(what, n);
                 }
-                self.progress.count = n;
             }
-            match r.kvs.last() {
-                Some(last) if r.more => {
-                    start = last.key.clone();
-                    start.push(0);
+            self.progress.count = n;
+            let Some(last) = resp.kvs.last().filter(|_| resp.more) else {
+                continue;
+            };
+            let mut start = last.key.clone();
+            start.push(0);
+            let rest = KeyRange { start, end: r.end };
+            match midpoint(&rest.start, &rest.end).filter(|_| resp.count > 4 * page) {
+                Some(mid) => {
+                    todo.push(KeyRange {
+                        start: mid.clone(),
+                        end: rest.end,
+                    });
+                    todo.push(KeyRange {
+                        start: rest.start,
+                        end: mid,
+                    });
                 }
-                _ => return Ok(()),
+                None => todo.push(rest),
             }
         }
+        Ok(())
     }
+}
+
+/// A key strictly between `a` and `b` (`a < b`), about halfway in byte order, or `None`
+/// when there is none worth splitting at.
+pub(crate) fn midpoint(a: &[u8], b: &[u8]) -> Option<Vec<u8>> {
+    let len = a.len().max(b.len()) + 1;
+    let pad = |k: &[u8]| {
+        let mut v = k.to_vec();
+        v.resize(len, 0);
+        v
+    };
+    let (pa, pb) = (pad(a), pad(b));
+    // (a + b) / 2 over big-endian numbers of `len` bytes, with the carry as a top bit.
+    let mut sum = vec![0u16; len];
+    let mut carry = 0u16;
+    for i in (0..len).rev() {
+        let t = u16::from(pa[i]) + u16::from(pb[i]) + carry;
+        sum[i] = t & 0xff;
+        carry = t >> 8;
+    }
+    let mut mid = vec![0u8; len];
+    let mut high = carry;
+    for i in 0..len {
+        let t = (high << 8) | sum[i];
+        mid[i] = (t >> 1) as u8;
+        high = t & 1;
+    }
+    while mid.last() == Some(&0) && mid.len() > 1 {
+        mid.pop();
+    }
+    (a < mid.as_slice() && mid.as_slice() < b).then_some(mid)
 }
 
 impl Scanner<'_> {

@@ -591,3 +591,45 @@ fn overlapping_extents_of_one_file_and_corrupt_records_are_left() {
     let ck = w.repair();
     assert!(ck.unrepaired() >= 2);
 }
+
+#[test]
+fn midpoints_split_key_ranges_strictly_inside() {
+    use super::midpoint;
+    assert_eq!(midpoint(b"a", b"c"), Some(b"b".to_vec()));
+    let m = midpoint(b"t/D\x00\x00", b"t/E").unwrap();
+    assert!(m.as_slice() > b"t/D\x00\x00".as_slice() && m.as_slice() < b"t/E".as_slice());
+    let m = midpoint(b"t/Dabc", b"t/Dabd").unwrap();
+    assert!(m.as_slice() > b"t/Dabc".as_slice() && m.as_slice() < b"t/Dabd".as_slice());
+    assert_eq!(midpoint(b"a", b"a\x00"), None);
+}
+
+#[test]
+fn a_large_range_is_read_whole_when_split() {
+    // Many more keys than a page: the scan splits the range and still sees each once.
+    let mut w = World::new();
+    let d = w.mkdir(Ino::ROOT, "big");
+    for i in 0..3000 {
+        let ino = w.ino();
+        w.put(
+            &w.keys.inode(ino),
+            &attr(ino, FileType::Regular, 1, 0).encode(),
+        );
+        w.entry(d, &format!("n{i:05}"), ino, FileType::Regular);
+    }
+    let mut ck = Checker::new(w.keys.clone(), w.geo, w.kv.revision());
+    let kv: &dyn KvBackend = &*w.kv;
+    let mut s = super::Scanner {
+        kv,
+        rev: w.kv.revision(),
+        progress: &mut Progress::new(false),
+    };
+    let mut seen = Vec::new();
+    let r = w.keys.dentries(d);
+    w.rt.block_on(s.scan("entries", r, 100, |kv| seen.push(kv.key.clone())))
+        .unwrap();
+    let n = seen.len();
+    seen.dedup();
+    assert_eq!((n, seen.len()), (3000, 3000));
+    assert!(seen.windows(2).all(|p| p[0] < p[1]), "in key order");
+    ck.finish();
+}
