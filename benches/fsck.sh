@@ -74,5 +74,5 @@ for n in $files_list; do
 	rss=$(echo "$rsss" | tr ' ' '\n' | grep . | median)
 	printf '%-10s %-10s %-12.1f %-14s %-14s %-6s\n' "$n" "$keys" "$pop" "$wall" "$rss" "$code"
 	rm -f "$img"
-	etcdctl --endpoints "$ep" del --prefix "$prefix/" >/dev/null
+	etcdctl --endpoints "$ep" --command-timeout=600s del --prefix "$prefix/" >/dev/null
 done

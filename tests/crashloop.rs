@@ -65,6 +65,8 @@ struct FileState {
     maybe_absent: bool,
     /// The killed node's operation on it was in flight: nobody changes it any more.
     retired: bool,
+    /// The last operations on it (worker, operation, size after), for a failure's report.
+    history: Vec<String>,
 }
 
 impl FileState {
@@ -80,7 +82,15 @@ impl FileState {
             maybe_renamed: None,
             maybe_absent: true,
             retired: false,
+            history: Vec::new(),
         }
+    }
+
+    fn log(&mut self, what: String) {
+        if self.history.len() >= 64 {
+            self.history.remove(0);
+        }
+        self.history.push(what);
     }
 
     fn synced_now(&mut self) {
@@ -98,19 +108,15 @@ impl FileState {
                 got.len()
             ));
         }
-        let n = got.len().min(self.synced.len());
-        for i in 0..n {
+        for (i, (g, w)) in got.iter().zip(&self.synced).enumerate() {
             let at = i as u64;
             let dirty = self
                 .dirty
                 .iter()
                 .chain(self.unknown.iter())
                 .any(|&(s, e)| at >= s && at < e);
-            if !dirty && got[i] != self.synced[i] {
-                return Err(format!(
-                    "byte {i} is {:#04x}, {:#04x} was fsync'd there",
-                    got[i], self.synced[i]
-                ));
+            if !dirty && g != w {
+                return Err(format!("byte {i} is {g:#04x}, {w:#04x} was fsync'd there"));
             }
         }
         Ok(())
@@ -228,6 +234,12 @@ fn worker(
             }
             Ok(())
         })();
+        let len = f.current.len();
+        let what = match &r {
+            Ok(()) => format!("{id} op {op} ok, size {len}"),
+            Err(e) => format!("{id} op {op} failed ({e}), size {len} if it had not"),
+        };
+        f.log(what);
         if let Err(e) = r {
             assert!(
                 killed.load(Ordering::SeqCst),
@@ -329,7 +341,21 @@ fn verify(m: &Daemon, dir: &str, files: &[FileState], seed: u64, cycle: u64) {
             continue;
         };
         if let Err(e) = f.check(&got) {
-            panic!("cycle {cycle} (seed {seed}): {dir}/{}: {e}", f.name);
+            panic!(
+                "cycle {cycle} (seed {seed}): {dir}/{}: {e}\n(synced {} bytes, current {}, \
+                 min_len {}, dirty {:?}, unknown {:?}, len_unknown {}, retired {})\n\
+                 operations (n<node>w<worker>; op 0 create, 1 rename, 2 append, 3 overwrite, \
+                 4 truncate, 5-6 fsync):\n  {}",
+                f.name,
+                f.synced.len(),
+                f.current.len(),
+                f.min_len,
+                f.dirty,
+                f.unknown,
+                f.len_unknown,
+                f.retired,
+                f.history.join("\n  ")
+            );
         }
     }
 }
