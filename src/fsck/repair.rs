@@ -384,10 +384,19 @@ pub(super) async fn apply(
         ck,
         lost_found: ck.lost_found,
     };
-    let mut superblock_done = false;
+    // Several findings can share one repair (every leaked range of a group asks for that
+    // group's map to be rebuilt; either damaged superblock copy is rewritten by one
+    // check): each runs once, and counts for all of them.
+    let mut done: Vec<Fix> = Vec::new();
+    let key = |f: &Fix| match f {
+        Fix::RewriteSuperblock { .. } => Some(Fix::RewriteSuperblock { backup: false }),
+        Fix::RebuildMap { .. } => Some(f.clone()),
+        _ => None,
+    };
     for i in order {
         let fix = &ck.plan[i];
-        if matches!(fix, Fix::RewriteSuperblock { .. }) && superblock_done {
+        let once = key(fix);
+        if once.as_ref().is_some_and(|k| done.contains(k)) {
             applied[i] = true;
             continue;
         }
@@ -397,7 +406,7 @@ pub(super) async fn apply(
         {
             Ok(()) => {
                 applied[i] = true;
-                superblock_done |= matches!(fix, Fix::RewriteSuperblock { .. });
+                done.extend(once);
             }
             Err(Stop::Changed(why)) => {
                 return (applied, Some(format!("{why}; run fsck again")));

@@ -358,6 +358,19 @@ fn an_extent_key_removed_leaks_its_blocks_until_the_map_is_rebuilt() {
 }
 
 #[test]
+fn several_leaks_in_one_group_are_one_rebuild() {
+    let (mut w, p) = World::populated();
+    let (a, b) = (w.block(1, 40), w.block(1, 50));
+    w.mark_used(a, 2);
+    w.mark_used(b, 3);
+    w.del(&w.keys.extent(p.h, 0));
+    let c = classes(&w.check());
+    assert_eq!(c.get(&Class::LeakedBlocks), Some(&3), "{c:?}");
+    let ck = repair_then_clean(&w);
+    assert_eq!(ck.by_class[&Class::LeakedBlocks].fixed, 3);
+}
+
+#[test]
 fn blocks_in_use_that_the_map_calls_free_are_found() {
     let (w, p) = World::populated();
     // An extent whose blocks no map marks used.
