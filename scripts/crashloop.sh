@@ -46,7 +46,7 @@ log=$(mktemp /tmp/crashloop.XXXXXX.log)
 start=$(date +%s)
 set +e
 ETCD_ENDPOINTS="$etcd" ETCFS_REQUIRE_MOUNT_TESTS=1 CRASHLOOP_STRICT="${CRASHLOOP_STRICT:-0}" CRASHLOOP_CYCLES="$cycles" CRASHLOOP_SEED="$seed" \
-    cargo test --release --test crashloop -- --nocapture 2>&1 | grep --line-buffered -E '^crashloop|KNOWN BUG|panicked|fsck exit|seed' | tee "$log"
+    cargo test --release --test crashloop -- --nocapture 2>&1 | grep --line-buffered -A3 -E '^crashloop|KNOWN BUG|panicked|fsck exit|seed' | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
 secs=$(( $(date +%s) - start ))
