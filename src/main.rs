@@ -11,6 +11,7 @@ mod daemon;
 mod data;
 mod embedded;
 mod fs;
+mod fsck;
 mod memfs;
 mod status;
 
@@ -66,6 +67,14 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Check a filesystem's etcd records and device superblocks at one etcd revision;
+    /// with --repair (no node mounted) fix what can be fixed safely. Exit codes as
+    /// e2fsck: 0 clean, 1 errors corrected, 4 errors left, 8 operational error.
+    Fsck(fsck::FsckArgs),
+    /// Write a synthetic population of files straight into a new filesystem's etcd
+    /// records (for benches/fsck.sh).
+    #[command(hide = true)]
+    BenchPopulate(fsck::populate::PopulateArgs),
 }
 
 /// Which filesystem, for the commands that only talk to etcd.
@@ -229,6 +238,8 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Fsck(args) => return fsck::main(&args),
+        Command::BenchPopulate(args) => fsck::populate::run(&args),
         Command::Mkfs(args) => daemon::mkfs(args),
         Command::Mount(args) => daemon::mount(args),
         Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
