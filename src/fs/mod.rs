@@ -1069,6 +1069,13 @@ impl Inner {
         // for the mode alone (`stat -c %a`) kept showing the set-id bits (found by
         // tests/permissions.rs's ext4 comparison). An attribute drop takes no lock the
         // WRITE in progress holds.
+        self.drop_kernel_attrs(ino);
+        Ok(())
+    }
+
+    /// Makes the kernel ask for `ino`'s attributes again (not its pages): for changes it
+    /// cannot know of, made outside a request about them.
+    pub(super) fn drop_kernel_attrs(&self, ino: u64) {
         let n = lock(&self.notifier)
             .clone()
             .or_else(|| PROCESS_NOTIFIER.get().cloned());
@@ -1081,7 +1088,6 @@ impl Inner {
                 log::debug!("kernel attribute drop of inode {ino}: {e}");
             }
         }
-        Ok(())
     }
 
     fn statfs(&self) -> Result<Done, Errno> {
