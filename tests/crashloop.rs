@@ -273,23 +273,20 @@ fn fsck(fs: &TestFs) -> (i32, Value) {
     (out.status.code().unwrap_or(-1), v)
 }
 
-/// Whether leaked blocks fail the run. They are a known bug (see `KNOWN_LEAK`): the CI
-/// form reports them loudly and repairs them at the end; `CRASHLOOP_STRICT=1` (the long
-/// form, scripts/crashloop.sh) fails on them.
+/// Whether leaked blocks fail the run: always, but for `CRASHLOOP_STRICT=0` (to let a
+/// long run go on past them; they are repaired at the end).
 fn strict() -> bool {
-    std::env::var("CRASHLOOP_STRICT").as_deref() == Ok("1")
+    std::env::var("CRASHLOOP_STRICT").as_deref() != Ok("0")
 }
 
-/// The known bug leaked blocks come from: a node frees blocks in a group another node
-/// owns (a released record, `R`); the owner allocates in that group before folding the
-/// record (it folds others' records after two looks a second apart), so its map is newer;
-/// the owner is killed; the next node to load the group drops records older than the map
-/// unapplied (they may be its own frees whose blocks it reused), and the blocks stay used
-/// in the map with no file (first seen with CRASHLOOP_SEED=1, cycle 0).
-const KNOWN_LEAK: &str = "blocks another node freed in a killed owner's group, recorded \
-     before the owner's last map write, are dropped unapplied by the next load";
+/// What leaked blocks meant when this loop first found them (seed 1, cycle 0): a node freed
+/// blocks in a group another node owned (a released record, `R`), the owner rewrote the
+/// group's map for an allocation before folding the record and was killed, and the next
+/// load dropped the record as older than the map. Loads apply every record since; a leak
+/// now is a new bug.
+const LEAK: &str = "blocks used in a free map by no file and no released record";
 
-/// The findings of a report other than leaked blocks (tolerated unless strict).
+/// The findings of a report other than leaked blocks (those too when strict).
 fn not_tolerated(v: &Value) -> Vec<Value> {
     v["findings"]
         .as_array()
@@ -315,7 +312,8 @@ fn assert_fsck_clean(fs: &TestFs, when: &str, seed: u64) -> u64 {
         if bad.is_empty() && t0.elapsed() > Duration::from_secs(4) {
             let leaks = v["classes"]["leaked_blocks"]["found"].as_u64().unwrap_or(0);
             loud(&format!(
-                "{when}: KNOWN BUG, {leaks} leaked block range(s) (seed {seed}): {KNOWN_LEAK}"
+                "{when}: {leaks} leaked block range(s) (seed {seed}): {LEAK}; going on \
+                 (CRASHLOOP_STRICT=0)"
             ));
             return leaks;
         }
@@ -465,7 +463,8 @@ fn kill_one_of_two_nodes_then_fsync_d_data_is_there_and_fsck_is_clean() {
     }
     let (code, v) = fsck(&fs);
     if code != 0 && !strict() && not_tolerated(&v).is_empty() {
-        // Only the known leak: the repair returns the blocks, and then all is clean.
+        // Only leaks, tolerated (CRASHLOOP_STRICT=0): the repair returns the blocks, and then
+        // all is clean.
         let (out, _) = run_bounded(
             Command::new(ETCFS)
                 .args(["fsck", "--repair", "--etcd", &fs.endpoints, "--device"])

@@ -120,6 +120,15 @@ pub enum MetaError {
     /// at its fence): nothing of it may commit. The node serves again under a new one.
     #[error("this node's session has ended")]
     SessionLost,
+    /// A write of this group's free map failed after deleting released records was
+    /// part of it: the node's map of the group may hold blocks etcd still records as
+    /// released, so no later write of the map may commit under this session (the node
+    /// fences itself and loads the group again under a new one).
+    #[error("free map of group {group} is out of step with etcd after a failed write")]
+    UnsafeFreeMap {
+        /// The group.
+        group: u32,
+    },
     /// The pipeline has shut down.
     #[error("pipeline closed")]
     Closed,

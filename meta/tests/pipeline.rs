@@ -770,6 +770,77 @@ async fn free_map_writes_commit_in_submission_order() {
     assert_eq!(now.kvs[0].value, b"newer");
 }
 
+/// A free-map write that also deleted released records fails (here the group is not the
+/// session's): the node's map may now hand out blocks etcd still records as released, so
+/// every later write of that group's map under the session is refused without reaching
+/// etcd (even once the group is the session's again), other groups' maps are written, and
+/// the pipeline names the session for the filesystem to fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fold_stops_later_writes_of_its_map() {
+    use meta::{
+        codec::{Extent, Owner},
+        types::GroupId,
+    };
+    let (kv, keys, _p, client, f) = with_file("f").await;
+    let (g, other) = (GroupId(3), GroupId(4));
+    let owner = Owner {
+        session: SessionId(1),
+    };
+    kv.put_raw(&keys.group(other), &owner.encode());
+    assert_eq!(client.unsafe_maps_session(), None);
+    let failed = client
+        .submit(Mutation::FreeMaps {
+            maps: vec![(g, b"folded".to_vec())],
+            released: vec![3 << 26],
+        })
+        .unwrap()
+        .await;
+    assert!(failed.is_err(), "{failed:?}");
+    assert_eq!(client.unsafe_maps_session(), Some(SessionId(1)));
+    kv.put_raw(&keys.group(g), &owner.encode());
+    let later = client
+        .submit(Mutation::SetExtents {
+            ino: f,
+            off: 0,
+            len: 4096,
+            extents: vec![Extent {
+                file_off: 0,
+                len: 4096,
+                dev_off: 3 << 26,
+                unwritten: false,
+            }],
+            size_at_least: Some(4096),
+            touch_mtime: true,
+            free_maps: vec![(g, b"later".to_vec())],
+        })
+        .unwrap()
+        .await;
+    assert!(
+        matches!(later, Err(MetaError::UnsafeFreeMap { group: 3 })),
+        "{later:?}"
+    );
+    let map = |g| {
+        let (kv, keys) = (kv.clone(), keys.clone());
+        async move {
+            kv.range(meta::kv::RangeRequest::key(keys.free_map(g)))
+                .await
+                .unwrap()
+                .kvs
+        }
+    };
+    assert!(map(g).await.is_empty(), "nothing written to the unsafe map");
+    client
+        .submit(Mutation::FreeMaps {
+            maps: vec![(other, b"fine".to_vec())],
+            released: Vec::new(),
+        })
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(map(other).await[0].value, b"fine");
+    assert_eq!(client.stats().free_maps_failed, 1);
+}
+
 /// A file with more extents than one transaction can log as released is unlinked through
 /// the orphan path and reclaimed in chunks: every freed range is logged (so a crash cannot
 /// leak it), and the orphan record stays until the last chunk.

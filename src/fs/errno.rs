@@ -60,6 +60,8 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
         MetaError::Closed => Errno::EIO,
         // Begun under a session whose lease may have ended: it must not count.
         MetaError::SessionLost => Errno::EIO,
+        // The node fences itself over it (`Inner::watch_fence`).
+        MetaError::UnsafeFreeMap { .. } => Errno::EIO,
         // Only non-blocking submission reports it; handlers use blocking submission.
         MetaError::QueueFull => Errno::EAGAIN,
     }

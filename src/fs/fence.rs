@@ -166,6 +166,16 @@ impl Inner {
     /// The housekeeping thread's look at the fence: drops what the old session held the
     /// first time it finds the fence closed, then tries to register again.
     pub(super) fn watch_fence(&self) {
+        if let Some(s) = self.meta.unsafe_maps_session() {
+            if self.fence.close(Some(s)) {
+                log::error!(
+                    "fencing session {:x}: a write of its free maps failed, so its allocator \
+                     may hand out blocks etcd still records as released; it registers anew \
+                     and loads its groups from etcd",
+                    s.0
+                );
+            }
+        }
         if self.fence.open() || self.stopping.load(Ordering::Acquire) {
             return;
         }

@@ -319,9 +319,9 @@ impl Inner {
             return Ok(false);
         };
         let (from, to) = (span.start.0 * BLOCK_SIZE, span.end() * BLOCK_SIZE);
-        // Every released record of the group, in pages: one left out would be older than
-        // the map written below and dropped unapplied by the next load (leaked). Ranges in
-        // one group never overlap, so there are at most as many as the group has blocks.
+        // Every released record of the group, in pages (one left out would only be applied
+        // by a later load: its blocks used meanwhile). Ranges in one group never overlap,
+        // so there are at most as many as the group has blocks.
         let (raw, records) = run_read(&self.meta, move |kv, keys| {
             Box::pin(async move {
                 let key = keys.free_map(GroupId(g));
@@ -331,12 +331,13 @@ impl Inner {
                 Ok((map, records))
             })
         })?;
-        // Released records written after the map are frees it cannot include (and their
-        // blocks cannot have been allocated since: an allocation writes the map in its own
-        // commit); older ones it includes unless a write encoded before the free landed
-        // after it, which at worst leaks those blocks: applying them could hand out blocks
-        // in use.
-        let map_rev = raw.as_ref().map_or(0, |kv| kv.mod_revision);
+        // Every released record is a free the map does not hold yet: whatever makes a map
+        // include a record deletes the record in the same transaction, and nothing reuses
+        // its blocks before that transaction (later writes of the map wait for it, and a
+        // failed one stops them: the committer's unsafe maps). Records the map holds anyway
+        // (a fold left half done by a crash) are freed twice, which `free_lenient` allows.
+        // Taking a record older than the map as included leaked it whenever the owner
+        // rewrote the map for an allocation before folding the record, then died.
         let raw = raw.map(|kv| kv.value);
         let keys = self.meta.keys();
         let mut apply = Vec::new();
@@ -346,11 +347,10 @@ impl Inner {
                 continue;
             };
             match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value) {
-                Ok(r) if kv.mod_revision > map_rev => {
+                Ok(r) => {
                     apply.push(Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE));
                     fold.push(off);
                 }
-                Ok(_) => fold.push(off),
                 // Its length is unknown: the range stays used (leaked), the record stays
                 // for an operator, and the load goes on.
                 Err(e) => log::error!("{e}; released record skipped, left as it is"),
@@ -662,8 +662,8 @@ impl Inner {
 
     /// At unmount: hands back, with their final maps, the groups that have released
     /// records other nodes wrote and this node has not folded yet. The session's end
-    /// frees every group anyway, but a record older than the group's last map write (any
-    /// allocation here writes it) would be dropped unapplied by the next owner: leaked.
+    /// frees every group anyway and the next owner would apply the records, but until some
+    /// node claims the group its free space would not show.
     pub(super) fn fold_before_leaving(&self) {
         // One paged read of every record (they are few: each lives for seconds).
         let records = run_read(&self.meta, |kv, keys| {
@@ -709,8 +709,7 @@ impl Inner {
     /// in it, commits its final map with their deletes, fenced on our ownership, after
     /// everything already submitted (a flush: an earlier commit that published blocks of
     /// it lands first), then deletes its ownership record. A record left behind would be
-    /// older than that map, and the next owner drops such records unapplied (the map may
-    /// include them): its blocks leaked (found by reading try_claim against hand-back).
+    /// applied by the next owner: harmless, but its space would not show until then.
     pub(super) fn give_group_back(&self, g: AgId) -> bool {
         let Some(span) = self.geometry.ag_extent(g) else {
             return false;

@@ -79,8 +79,8 @@ pub(crate) enum Class {
     ExtentInFreeSpace,
     /// Blocks the free map calls used that no file uses and no released record frees.
     LeakedBlocks,
-    /// A released record newer than its group's map covers blocks a file uses: loading
-    /// the group would free them.
+    /// A released record covers blocks a file uses: loading the group (which applies every
+    /// record) would free them.
     ReleasedInUse,
     /// A released record outside the data area or across a group boundary.
     ReleasedBad,
@@ -253,7 +253,6 @@ struct Rel {
     key: Vec<u8>,
     start: u64,
     end: u64,
-    rev: i64,
 }
 
 /// Blocks of one finding range, for messages.
@@ -1168,7 +1167,6 @@ impl Checker {
             key: kv.key.clone(),
             start,
             end,
-            rev: kv.mod_revision,
         });
     }
 
@@ -1207,10 +1205,10 @@ impl Checker {
     fn group(&mut self, g: u32, kv: Option<&KeyValue>) {
         let ag = AgId(g);
         let span = self.geo.ag_extent(ag).expect("g < ag_count");
-        let (map, map_rev) = match kv {
-            None => (AgFreeMap::all_free(ag, span), 0),
+        let map = match kv {
+            None => AgFreeMap::all_free(ag, span),
             Some(kv) => match AgFreeMap::decode(&kv.value, ag, span) {
-                Ok(m) => (m, kv.mod_revision),
+                Ok(m) => m,
                 Err(e) => {
                     let msg = format!("{}: {e}", self.keys.describe(&kv.key));
                     self.report(Class::BadFreeMap, msg, Some(Fix::RebuildMap { group: g }));
@@ -1235,22 +1233,23 @@ impl Checker {
             while ri < rels.len() && rels[ri].end <= b {
                 ri += 1;
             }
-            // Released records do not overlap each other unless something is wrong; the
-            // newest covering one decides.
-            let newer_release = rels[ri..]
+            // A group's loader applies every released record (a map never includes one
+            // that still exists: the write that folds it deletes it), so any record
+            // covering the block frees it.
+            let released = rels[ri..]
                 .iter()
                 .take_while(|r| r.start <= b)
-                .any(|r| r.end > b && r.rev > map_rev);
+                .any(|r| r.end > b);
             let used = self.used.get(b);
             if used != self.kept.get(b) {
                 differs = true;
             }
             if used && is_free {
                 in_free.add(b);
-            } else if !used && !is_free && !newer_release {
+            } else if !used && !is_free && !released {
                 leaked.add(b);
             }
-            if used && newer_release {
+            if used && released {
                 rel_used.add(b);
             }
         }
@@ -1279,7 +1278,7 @@ impl Checker {
         }
         for (s, e) in rel_used {
             let msg = format!(
-                "group {g}: a released record newer than the map covers {} that a file uses",
+                "group {g}: a released record covers {} that a file uses",
                 blocks(s, e)
             );
             self.report(Class::ReleasedInUse, msg, fix());

@@ -279,25 +279,28 @@ impl Ctx<'_> {
                 };
                 let fkey = keys.free_map(GroupId(*group));
                 let released = self.ck.released_in(*group);
-                let mut chunks = released.chunks(RELEASED_PER_TXN);
-                let first = chunks.next().unwrap_or(&[]);
-                let mut compares = vec![
-                    self.unchanged(fkey.clone()),
-                    Compare::absent(keys.group(GroupId(*group))),
-                ];
-                let mut ops = vec![TxnOp::put(fkey, map.encode())];
-                for k in first {
-                    compares.push(self.unchanged(k.clone()));
-                    ops.push(TxnOp::delete(k.clone()));
-                }
+                // A load applies every released record, so none may outlive the map that
+                // no longer needs it: all but the last page go first (a crash between leaves
+                // blocks used in the old map, a leak a second run finds, never a record that
+                // would free blocks a file uses), the last with the map.
+                let mut chunks: Vec<&[Vec<u8>]> = released.chunks(RELEASED_PER_TXN).collect();
+                let last = chunks.pop().unwrap_or(&[]);
                 let what = format!("rewriting group {group}'s free map");
-                self.commit(&what, compares, ops).await?;
-                // The rest are older than the map now: a load would drop them anyway.
                 for c in chunks {
                     let compares = c.iter().map(|k| self.unchanged(k.clone())).collect();
                     let ops = c.iter().map(|k| TxnOp::delete(k.clone())).collect();
                     self.commit(&what, compares, ops).await?;
                 }
+                let mut compares = vec![
+                    self.unchanged(fkey.clone()),
+                    Compare::absent(keys.group(GroupId(*group))),
+                ];
+                let mut ops = vec![TxnOp::put(fkey, map.encode())];
+                for k in last {
+                    compares.push(self.unchanged(k.clone()));
+                    ops.push(TxnOp::delete(k.clone()));
+                }
+                self.commit(&what, compares, ops).await?;
                 Ok(())
             }
         }

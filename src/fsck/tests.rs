@@ -402,7 +402,7 @@ fn a_released_record_pending_is_no_leak_but_one_covering_used_blocks_is_found() 
         .encode(),
     );
     assert_clean(&w.check());
-    // Now a record over blocks a file uses, newer than the map.
+    // Now a record over blocks a file uses: the next load would free them.
     let used = w.block(1, 10);
     w.put(
         &w.keys.released(used * BLOCK_SIZE),

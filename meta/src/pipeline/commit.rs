@@ -34,7 +34,7 @@ use crate::{
         ranges_overlap, Compare, CompareOp, CompareTarget, KvBackend, RangeRequest, Txn, TxnOp,
         TxnOpResponse, TxnResponse,
     },
-    types::{Ino, Revision, SessionId, Timespec},
+    types::{GroupId, Ino, Revision, SessionId, Timespec},
 };
 
 /// A request from a submitter.
@@ -258,6 +258,12 @@ pub(crate) struct Committer {
     reads_in_flight: usize,
     inflight: Vec<(u64, Vec<Access>)>,
     markers: Markers,
+    /// Groups whose free map must not be written again under the session: a write of it
+    /// that also deleted released records (`R`) failed. The node's map already treats
+    /// those records' blocks as free and may hand them out, while etcd still has the
+    /// records, which the group's next loader applies: a later map write committing such
+    /// an allocation would let that load free blocks in use. At most one entry a group.
+    unsafe_maps: BTreeMap<GroupId, SessionId>,
     /// Origin of the committer's own timers (retry pauses, marker holds): tokio's time,
     /// which runs in simulations with a manual filesystem clock too.
     epoch: tokio::time::Instant,
@@ -298,6 +304,7 @@ impl Committer {
             txns_in_flight: 0,
             reads_in_flight: 0,
             inflight: Vec::new(),
+            unsafe_maps: BTreeMap::new(),
             markers: Markers::default(),
             epoch: tokio::time::Instant::now(),
             closed: false,
@@ -540,13 +547,65 @@ impl Committer {
     }
 
     fn step(&mut self) {
+        self.refuse_unsafe_maps();
         self.plan_all();
         self.launch_reads();
         self.launch_txns();
     }
 
+    /// Fails every work not sent yet that would write a free map made unsafe under its
+    /// session (see `unsafe_maps`).
+    fn refuse_unsafe_maps(&mut self) {
+        if self.unsafe_maps.is_empty() {
+            return;
+        }
+        let refused: Vec<(u64, GroupId)> = self
+            .works
+            .iter()
+            .filter(|(_, w)| matches!(w.st, St::Plan | St::Reading | St::Ready(..)))
+            .filter_map(|(&id, w)| {
+                w.m.free_map_groups()
+                    .find(|g| self.unsafe_maps.get(g) == Some(&w.session))
+                    .map(|g| (id, g))
+            })
+            .collect();
+        for (id, g) in refused {
+            self.finish(id, Err(MetaError::UnsafeFreeMap { group: g.0 }));
+        }
+    }
+
+    /// Marks the groups of a failed free-map write that deleted released records as
+    /// unsafe to write under its session.
+    fn note_failed_free_maps(&mut self, w: &Work, e: &MetaError) {
+        let Mutation::FreeMaps { maps, released } = &w.m else {
+            return;
+        };
+        if released.is_empty() || matches!(e, MetaError::UnsafeFreeMap { .. }) {
+            return;
+        }
+        // Entries of an older session are moot: it commits nothing any more.
+        self.unsafe_maps.retain(|_, s| *s == w.session);
+        for (g, _) in maps {
+            self.unsafe_maps.insert(*g, w.session);
+        }
+        self.stats.free_maps_failed.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .unsafe_maps_session
+            .store(w.session.0, Ordering::Release);
+        log::error!(
+            "writing the free maps of groups {:?} with {} released records' deletes failed: \
+             {e}; no more writes of those maps under session {:x} (the node fences itself)",
+            maps.iter().map(|(g, _)| g.0).collect::<Vec<_>>(),
+            released.len(),
+            w.session.0
+        );
+    }
+
     fn finish(&mut self, id: u64, r: Result<Outcome, MetaError>) {
         if let Some(w) = self.works.remove(&id) {
+            if let Err(e) = &r {
+                self.note_failed_free_maps(&w, e);
+            }
             match &r {
                 Ok(_) => self
                     .stats

@@ -156,6 +156,12 @@ pub struct Stats {
     pub unanswered_resent: AtomicU64,
     /// Reads retried after etcd did not answer.
     pub read_retries: AtomicU64,
+    /// Free-map writes that deleted released records and failed (each makes its groups'
+    /// maps unsafe to write under the session).
+    pub free_maps_failed: AtomicU64,
+    /// The session (id) whose free maps are unsafe to write since such a failure; 0: none.
+    /// Not in the snapshot: the filesystem reads it to fence that session.
+    pub unsafe_maps_session: AtomicU64,
 }
 
 /// A plain copy of [`Stats`].
@@ -201,6 +207,8 @@ pub struct StatsSnapshot {
     pub unanswered_resent: u64,
     /// See [`Stats::read_retries`].
     pub read_retries: u64,
+    /// See [`Stats::free_maps_failed`].
+    pub free_maps_failed: u64,
 }
 
 impl StatsSnapshot {
@@ -253,6 +261,7 @@ impl Stats {
             unanswered_applied: l(&self.unanswered_applied),
             unanswered_resent: l(&self.unanswered_resent),
             read_retries: l(&self.read_retries),
+            free_maps_failed: l(&self.free_maps_failed),
         }
     }
 }
@@ -689,6 +698,16 @@ impl MetaClient {
         let (t, done) = ticket();
         self.send(Request::Flush { dir, done }, true)?;
         Ok(t)
+    }
+
+    /// The session whose free maps may not be written any more: a write of them that
+    /// deleted released records failed ([`MetaError::UnsafeFreeMap`]). The filesystem
+    /// fences that session.
+    pub fn unsafe_maps_session(&self) -> Option<SessionId> {
+        match self.stats.unsafe_maps_session.load(Ordering::Acquire) {
+            0 => None,
+            s => Some(SessionId(s)),
+        }
     }
 
     /// The pipeline's counters.
