@@ -137,18 +137,25 @@ impl Inner {
             })
         });
         let parts: Vec<(AgId, Extent)> = parts.collect();
+        // Parts in other nodes' groups that the commit freed without logging: logged now,
+        // for their owners (unlogged, nobody would ever return them).
+        let mut unlogged = Vec::new();
         for (g, part) in parts {
-            if !a.owned().contains(&g) {
-                log::warn!(
-                    "freed {part} lies in a group this node does not own; left to the group's \
-                     next owner (released record)"
-                );
-                continue;
-            }
             let range = meta::pipeline::DevRange {
                 dev_off: part.dev_off(),
                 len: part.byte_len(),
             };
+            if !a.owned().contains(&g) {
+                if released.iter().any(|p| dev_range_within(&range, p)) {
+                    log::debug!(
+                        "freed {part} lies in group {} of another node: left to it",
+                        g.0
+                    );
+                } else {
+                    unlogged.push(range);
+                }
+                continue;
+            }
             if self.held.take_folded(part) {
                 // Folded from its released record before we got here (`fold_released`).
                 done.push(range);
@@ -171,6 +178,18 @@ impl Inner {
             .filter(|p| done.iter().any(|r| dev_range_within(p, r)))
             .map(|p| p.dev_off)
             .collect();
+        if !unlogged.is_empty() {
+            log::info!(
+                "logging {} freed ranges in groups of other nodes as released records",
+                unlogged.len()
+            );
+        }
+        for c in unlogged.chunks(meta::pipeline::LOG_RELEASED_MAX) {
+            let m = Mutation::LogReleased { ranges: c.to_vec() };
+            if let Err(e) = self.meta.submit_blocking(m) {
+                log::error!("logging freed ranges of other nodes' groups: {e} (leaked)");
+            }
+        }
         if changed.is_empty() && records.is_empty() {
             return;
         }

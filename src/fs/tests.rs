@@ -1532,7 +1532,7 @@ fn frees_leave_no_released_records() {
 }
 
 /// The size and extents etcd holds for `ino` (what another node would see).
-fn committed(fx: &Fx, ino: u64) -> (u64, Vec<meta::codec::Extent>) {
+pub(super) fn committed(fx: &Fx, ino: u64) -> (u64, Vec<meta::codec::Extent>) {
     use meta::types::Ino;
     let inner = fx.fs.inner();
     let (a, _) = inner.meta.get_inode_at(Ino(ino)).unwrap().wait().unwrap();

@@ -27,7 +27,7 @@ use self::{commit::Request, ticket::ticket};
 pub use self::{
     mutation::{
         AclInherit, DevRange, GroupLayout, Mutation, NewInode, Outcome, RenameMode, SetAttr,
-        TimeSet, UnlinkExpect, XattrMode,
+        TimeSet, UnlinkExpect, XattrMode, LOG_RELEASED_MAX,
     },
     own::{Origin, OwnCommits},
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},

@@ -107,6 +107,9 @@ pub enum XattrMode {
     Replace,
 }
 
+/// Ranges one [`Mutation::LogReleased`] may carry (one put each).
+pub const LOG_RELEASED_MAX: usize = 64;
+
 /// A device byte range released by a mutation (to be returned to its group's allocator).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DevRange {
@@ -276,6 +279,14 @@ pub enum Mutation {
         /// same transaction.
         released: Vec<u64>,
     },
+    /// Log device ranges a commit freed without logging them (a truncate of a file with
+    /// more extents than one transaction reads) as released records (`R`): the submitter
+    /// does not own their groups, and their owners (or the groups' next loaders) fold them.
+    /// At most [`LOG_RELEASED_MAX`] ranges.
+    LogReleased {
+        /// The ranges, each inside one allocation group.
+        ranges: Vec<DevRange>,
+    },
     /// Delete an orphan inode (its last open record went, or the unlink could not free it
     /// in one transaction). Does nothing while any node has it open (an `H` record).
     ReclaimOrphan {
@@ -351,6 +362,7 @@ impl Mutation {
             Mutation::SetAcl { .. } => "set_acl",
             Mutation::SetExtents { .. } => "set_extents",
             Mutation::FreeMaps { .. } => "free_maps",
+            Mutation::LogReleased { .. } => "log_released",
             Mutation::ReclaimOrphan { .. } => "reclaim_orphan",
             Mutation::Hold { .. } => "hold",
             Mutation::Unhold { .. } => "unhold",

@@ -603,6 +603,15 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             plan_free_maps(&mut p, maps, released);
             Ok(())
         }
+        Mutation::LogReleased { ranges } => {
+            if ranges.len() > super::mutation::LOG_RELEASED_MAX {
+                return Planned::Fail(MetaError::TooBig);
+            }
+            for r in ranges {
+                p.release(*r);
+            }
+            Ok(())
+        }
         Mutation::ReclaimOrphan { ino } => plan_reclaim(&mut p, *ino),
         Mutation::Hold { ino } => plan_hold(&mut p, *ino),
         Mutation::Unhold { ino } => plan_unhold(&mut p, *ino),
