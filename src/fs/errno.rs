@@ -62,6 +62,7 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
         MetaError::SessionLost => Errno::EIO,
         // Only non-blocking submission reports it; handlers use blocking submission.
         MetaError::QueueFull => Errno::EAGAIN,
+        MetaError::ReadOnly => Errno::EROFS,
     }
 }
 
@@ -134,6 +135,7 @@ mod tests {
             (MetaError::Closed, Errno::EIO),
             (MetaError::EtcdFull("quota".into()), Errno::ENOSPC),
             (MetaError::QueueFull, Errno::EAGAIN),
+            (MetaError::ReadOnly, Errno::EROFS),
         ];
         for (e, want) in rows {
             assert_eq!(meta(e), *want, "{e:?}");

@@ -88,6 +88,7 @@ impl World {
             now: NOW,
             session: self.session,
             lock_at_create: true,
+            read_only: false,
             new_ino: ino,
             block_size: 4096,
             groups: Some(GroupLayout {
