@@ -81,8 +81,8 @@ enum Command {
     /// records (for benches/fsck.sh).
     #[command(hide = true)]
     BenchPopulate(fsck::populate::PopulateArgs),
-    /// Write the manual pages (etcfs.1, etcfs-SUBCOMMAND.1, mount.etcfs.8) into DIR
-    /// (scripts/install.sh).
+    /// Write the manual pages (man1/etcfs.1, man1/etcfs-SUBCOMMAND.1, man8/mount.etcfs.8)
+    /// under DIR (scripts/install.sh).
     #[command(hide = true)]
     Man {
         /// Where to write them.
@@ -400,16 +400,20 @@ fn mount_helper(argv: Vec<OsString>, notify_socket: Option<OsString>) -> ExitCod
     }
 }
 
-/// The manual pages from clap's definitions: `etcfs` and each visible subcommand in
-/// section 1, the mount helper in section 8.
+/// The manual pages from clap's definitions, under `dir` as man(1) looks for them:
+/// `man1/` holds `etcfs` and each visible subcommand (`etcfs-mount.1`...), `man8/` the
+/// mount helper.
 fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<()> {
     use anyhow::Context as _;
-    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    clap_mangen::generate_to(Cli::command(), dir)
-        .with_context(|| format!("write manual pages to {}", dir.display()))?;
+    let (man1, man8) = (dir.join("man1"), dir.join("man8"));
+    for d in [&man1, &man8] {
+        std::fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
+    }
+    clap_mangen::generate_to(Cli::command(), &man1)
+        .with_context(|| format!("write manual pages to {}", man1.display()))?;
     let helper = clap_mangen::Man::new(mount_opts::HelperArgs::command()).section("8");
     helper
-        .generate_to(dir)
-        .with_context(|| format!("write {} to {}", helper.get_filename(), dir.display()))?;
+        .generate_to(&man8)
+        .with_context(|| format!("write {} to {}", helper.get_filename(), man8.display()))?;
     Ok(())
 }
