@@ -1,7 +1,8 @@
 //! `etcfs mount`: mount, serve until unmounted or signalled, unmount on the way out.
 
 use std::{
-    os::unix::process::CommandExt as _,
+    ffi::OsString,
+    os::{fd::AsFd as _, unix::process::CommandExt as _},
     path::Path,
     process::{Command, Stdio},
     sync::Arc,
@@ -17,7 +18,17 @@ use fusedev::{
 };
 use signal_hook::{consts::SIGINT, consts::SIGTERM, iterator::Signals};
 
-use crate::{control, embedded, fs, memfs, MkfsArgs, MountArgs, Transport};
+use crate::{control, embedded, fs, memfs, sdnotify, MkfsArgs, MountArgs, Transport};
+
+/// How `etcfs mount` was started, beyond its flags.
+#[derive(Debug, Clone)]
+pub(crate) struct Invocation {
+    /// The command line as `etcfs mount` flags (`-o` expanded; the mount helper's
+    /// translated): what a detaching mount runs again, in the foreground, as the daemon.
+    pub(crate) argv: Vec<OsString>,
+    /// NOTIFY_SOCKET: a service manager waits for `READY=1` on it (`sdnotify`).
+    pub(crate) notify_socket: Option<OsString>,
+}
 
 /// How long a detaching `etcfs mount` waits for its daemon to finish mounting.
 const MOUNT_READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,12 +61,15 @@ pub(crate) fn mkfs(args: MkfsArgs) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn mount(args: MountArgs) -> Result<()> {
+pub(crate) fn mount(args: MountArgs, inv: Invocation) -> Result<()> {
+    // main.rs turns every -o into flags before parsing (`mount_opts::expand_argv`).
+    debug_assert!(args.options.is_empty(), "-o left unexpanded");
     // Checked before anything starts (a private etcd, a detached daemon), so a bad mount
     // point is the one error shown; the mount itself checks again.
     let mountpoint = mount::check_mountpoint(&args.mountpoint)?;
+    let notifier = inv.notify_socket.clone().map(sdnotify::Notifier::new);
     if !args.foreground {
-        return spawn_detached(&args, &mountpoint);
+        return spawn_detached(&args, &mountpoint, &inv.argv, notifier.as_ref());
     }
     let cpus = worker_cpus(args.cpus.as_deref())?;
     let attr_timeout = seconds(args.attr_timeout, "--attr-timeout")?;
@@ -67,7 +81,7 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
             uid: nix_uid(),
             gid: nix_gid(),
         }));
-        return serve(&args, &cpus, handler);
+        return serve(&args, &cpus, handler, notifier.as_ref());
     }
     // The private etcd of the embedded default lives as long as the mount.
     let mut private_etcd = None;
@@ -119,13 +133,19 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
         lock_min_hold: std::time::Duration::from_millis(args.lock_min_hold_ms),
         lease_ttl_s: args.lease_ttl,
         noatime: args.noatime,
+        read_only: args.read_only,
     })?);
-    let result = serve(&args, &cpus, handler);
+    let result = serve(&args, &cpus, handler, notifier.as_ref());
     drop(private_etcd);
     result
 }
 
-fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<()> {
+fn serve(
+    args: &MountArgs,
+    cpus: &[usize],
+    handler: Arc<dyn Handler>,
+    notifier: Option<&sdnotify::Notifier>,
+) -> Result<()> {
     let choice = match args.transport {
         Transport::Auto => TransportChoice::Auto,
         Transport::Uring => TransportChoice::Uring,
@@ -146,13 +166,11 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     // Signals are taken before mounting so a SIGTERM during start-up still unmounts.
     let mut signals = Signals::new([SIGINT, SIGTERM]).context("install signal handlers")?;
     let opts = MountOptions {
-        fsname: if args.memfs {
-            "etcfs-memfs".into()
-        } else {
-            "etcfs".into()
-        },
+        fsname: fsname(args),
         allow_other: args.allow_other,
         noatime: args.noatime,
+        read_only: args.read_only,
+        noexec: args.noexec,
         uid: nix_uid(),
         gid: nix_gid(),
     };
@@ -190,11 +208,15 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     });
     let socket = control::serve(mnt.mountpoint(), report)?;
     let stopper = session.stopper();
+    let stop_notifier = notifier.cloned();
     std::thread::Builder::new()
         .name("etcfs-signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 log::info!("signal {sig}: unmounting");
+                if let Some(n) = &stop_notifier {
+                    n.send_logged("STOPPING=1");
+                }
                 stopper.shutdown();
             }
         })
@@ -206,12 +228,35 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
         cpus.len(),
         if cpus.len() == 1 { "" } else { "s" }
     );
+    // Mounted, answering, and `etcfs stats` reaches it: what a dependant may count on.
+    if let Some(n) = notifier {
+        n.send_logged(&format!(
+            "READY=1\nMAINPID={}\nSTATUS=serving {}",
+            std::process::id(),
+            mnt.mountpoint().display()
+        ));
+    }
     session.wait();
     let _ = std::fs::remove_file(socket);
     if mnt.unmount().context("unmount")? {
         log::info!("unmounted {}", mnt.mountpoint().display());
     }
     Ok(())
+}
+
+/// The mount's source in /proc/mounts: `--fsname`, else the spec the mount helper would
+/// take for this mount (`mount_opts::Spec`), so `findmnt` and fstab lines read alike.
+fn fsname(args: &MountArgs) -> String {
+    if let Some(n) = &args.fsname {
+        return n.clone();
+    }
+    if args.memfs {
+        return "etcfs-memfs".into();
+    }
+    if args.store.etcd.is_empty() {
+        return "etcfs".into();
+    }
+    format!("{}:/{}", args.store.etcd.join(","), args.store.prefix)
 }
 
 /// The CPUs to run workers on: `--cpus`, checked against what this process may use, or all
@@ -245,9 +290,34 @@ fn nix_gid() -> u32 {
         .unwrap_or(0)
 }
 
-/// Re-runs this command in the foreground as a detached child with its output in a log file,
-/// and returns once the child has mounted (or reports why it could not).
-fn spawn_detached(args: &MountArgs, mountpoint: &Path) -> Result<()> {
+/// Enters the mount namespace `ns` (a file such as /proc/PID/ns/mnt, or a PID), for the
+/// mount helper's `-N`. Only a single-threaded process may (setns(2)).
+pub(crate) fn enter_mount_namespace(ns: &str) -> Result<()> {
+    let path = if !ns.is_empty() && ns.bytes().all(|b| b.is_ascii_digit()) {
+        format!("/proc/{ns}/ns/mnt")
+    } else {
+        ns.to_string()
+    };
+    let f =
+        std::fs::File::open(&path).with_context(|| format!("open the mount namespace {path}"))?;
+    rustix::thread::move_into_link_name_space(
+        f.as_fd(),
+        Some(rustix::thread::LinkNameSpaceType::Mount),
+    )
+    .with_context(|| format!("enter the mount namespace {path}"))?;
+    Ok(())
+}
+
+/// Runs `argv` (this `etcfs mount` as flags) again in the foreground as a detached child
+/// with its output in a log file, and returns once the child has mounted (or reports why
+/// it could not). A service manager waiting on NOTIFY_SOCKET is told the child is the
+/// service's main process and is ready; the child itself is not given the socket.
+fn spawn_detached(
+    args: &MountArgs,
+    mountpoint: &Path,
+    argv: &[OsString],
+    notifier: Option<&sdnotify::Notifier>,
+) -> Result<()> {
     let log_path = match &args.log_file {
         Some(p) => p.clone(),
         None => {
@@ -267,10 +337,12 @@ fn spawn_detached(args: &MountArgs, mountpoint: &Path) -> Result<()> {
         .open(&log_path)
         .with_context(|| format!("open log file {}", log_path.display()))?;
     let exe = std::env::current_exe().context("find the etcfs executable")?;
-    let mut child_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    child_args.push("--foreground".into());
+    // `--foreground` right after `mount`: the mount point may follow a `--`.
+    let mut child_args: Vec<OsString> = argv.iter().skip(1).cloned().collect();
+    child_args.insert(1.min(child_args.len()), "--foreground".into());
     let mut child = Command::new(exe)
         .args(child_args)
+        .env_remove("NOTIFY_SOCKET")
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -297,6 +369,9 @@ fn spawn_detached(args: &MountArgs, mountpoint: &Path) -> Result<()> {
                 child.id(),
                 log_path.display()
             );
+            if let Some(n) = notifier {
+                n.send_logged(&format!("MAINPID={}\nREADY=1", child.id()));
+            }
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -329,6 +329,8 @@ impl PrivateEtcd {
             .arg("periodic")
             .arg("--auto-compaction-retention")
             .arg(AUTO_COMPACTION_RETENTION)
+            // etcd speaks sd_notify itself: its READY=1 is not the mount's.
+            .env_remove("NOTIFY_SOCKET")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

@@ -13,11 +13,13 @@ mod embedded;
 mod fs;
 mod fsck;
 mod memfs;
+mod mount_opts;
+mod sdnotify;
 mod status;
 
-use std::{path::PathBuf, process::ExitCode};
+use std::{ffi::OsString, path::PathBuf, process::ExitCode};
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory as _, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,6 +33,10 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once per process; MountArgs is a few hundred bytes"
+)]
 enum Command {
     /// Format a device and an etcd prefix as a new, empty filesystem.
     Mkfs(MkfsArgs),
@@ -75,6 +81,13 @@ enum Command {
     /// records (for benches/fsck.sh).
     #[command(hide = true)]
     BenchPopulate(fsck::populate::PopulateArgs),
+    /// Write the manual pages (man1/etcfs.1, man1/etcfs-SUBCOMMAND.1, man8/mount.etcfs.8)
+    /// under DIR (scripts/install.sh).
+    #[command(hide = true)]
+    Man {
+        /// Where to write them.
+        dir: PathBuf,
+    },
 }
 
 /// Which filesystem, for the commands that only talk to etcd.
@@ -141,6 +154,12 @@ pub(crate) struct MkfsArgs {
 pub(crate) struct MountArgs {
     /// Directory to mount on.
     pub(crate) mountpoint: PathBuf,
+    /// mount(8)-style options, comma-separated: the flags below without their dashes
+    /// (device=/dev/sdb,perf), and ro, noatime, noexec; the options mount(8) and systemd
+    /// read (_netdev, nofail, x-systemd.*) are passed over; see `mount.etcfs --help`.
+    /// Each is turned into its flag before parsing.
+    #[arg(short = 'o', long = "options", value_name = "OPTS")]
+    pub(crate) options: Vec<String>,
     #[command(flatten)]
     pub(crate) store: StoreArgs,
     /// Without --etcd and --device: where the private etcd and device image live.
@@ -170,6 +189,19 @@ pub(crate) struct MountArgs {
     /// Never update access times (default: relatime, as Linux mounts do).
     #[arg(long)]
     pub(crate) noatime: bool,
+    /// Mount read-only: the kernel mount is read-only (writes answer EROFS) and the
+    /// daemon writes nothing to etcd or the device of its own either (no allocation
+    /// groups, no reclaims, no access times); it keeps its session, locks and open records.
+    #[arg(long, visible_alias = "ro")]
+    pub(crate) read_only: bool,
+    /// Refuse to execute programs from the mount (the kernel's MS_NOEXEC). The mount is
+    /// always nosuid and nodev.
+    #[arg(long)]
+    pub(crate) noexec: bool,
+    /// What /proc/mounts shows as the mount's source (default: ETCD_URLS:/PREFIX, `etcfs`
+    /// for the embedded default; the mount helper passes the fstab spec).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) fsname: Option<String>,
     /// Seconds the kernel may cache attributes (kept coherent by the etcd watch; see the
     /// README).
     #[arg(long, default_value_t = 60.0)]
@@ -232,16 +264,43 @@ pub(crate) struct MountArgs {
     pub(crate) log_file: Option<PathBuf>,
 }
 
+/// mount(8)'s exit codes for a helper: bad invocation or options, and a failed mount.
+const MOUNT_EX_USAGE: u8 = 1;
+const MOUNT_EX_FAIL: u8 = 32;
+
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .format_target(false)
         .init();
-    let cli = Cli::parse();
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let notify_socket = std::env::var_os("NOTIFY_SOCKET").filter(|s| !s.is_empty());
+    let invoked_as = argv
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .map(|n| n.to_os_string());
+    if invoked_as.as_deref() == Some(mount_opts::HELPER_NAME.as_ref()) {
+        return mount_helper(argv, notify_socket);
+    }
+    let argv = match mount_opts::expand_argv(argv, &Cli::command()) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("etcfs: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let cli = Cli::parse_from(argv.clone());
     let result = match cli.command {
         Command::Fsck(args) => return fsck::main(&args),
         Command::BenchPopulate(args) => fsck::populate::run(&args),
+        Command::Man { dir } => write_man_pages(&dir),
         Command::Mkfs(args) => daemon::mkfs(args),
-        Command::Mount(args) => daemon::mount(args),
+        Command::Mount(args) => daemon::mount(
+            args,
+            daemon::Invocation {
+                argv,
+                notify_socket,
+            },
+        ),
         Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
         Command::Status { cluster, json } => cluster
             .etcd_config()
@@ -261,4 +320,100 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `mount.etcfs SPEC DIR [-sfnv] [-N NS] [-o OPTS] [-t TYPE]`, as mount(8) runs it: the
+/// same `etcfs mount` (`mount_opts::helper_argv`), with mount(8)'s exit codes.
+fn mount_helper(argv: Vec<OsString>, notify_socket: Option<OsString>) -> ExitCode {
+    let h = match mount_opts::HelperArgs::try_parse_from(&argv) {
+        Ok(h) => h,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(MOUNT_EX_USAGE);
+        }
+    };
+    let name = mount_opts::HELPER_NAME;
+    // First, while this process has one thread: setns(2) refuses a threaded process a
+    // new mount namespace, and the mount point is a path in that namespace.
+    if let Some(ns) = &h.namespace {
+        if let Err(e) = daemon::enter_mount_namespace(ns) {
+            eprintln!("{name}: {e:#}");
+            return ExitCode::from(MOUNT_EX_FAIL);
+        }
+    }
+    let mut cli = Cli::command();
+    cli.build();
+    let Some(mount_cmd) = cli.find_subcommand("mount") else {
+        return ExitCode::from(MOUNT_EX_FAIL);
+    };
+    let (etcfs_argv, translated) = match mount_opts::helper_argv(&h, mount_cmd) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(MOUNT_EX_USAGE);
+        }
+    };
+    for o in &translated.unknown {
+        eprintln!("{name}: ignoring unknown option {o:?} (-s)");
+    }
+    if h.verbose {
+        let words: Vec<String> = etcfs_argv
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        eprintln!("{name}: {}", words.join(" "));
+        if !translated.ignored.is_empty() {
+            eprintln!(
+                "{name}: passed over (for mount(8) and systemd): {}",
+                translated.ignored.join(",")
+            );
+        }
+    }
+    let args = match Cli::try_parse_from(&etcfs_argv) {
+        Ok(Cli {
+            command: Command::Mount(a),
+        }) => a,
+        Ok(_) => return ExitCode::from(MOUNT_EX_FAIL),
+        Err(e) => {
+            eprintln!("{name}: {}", e.render().to_string().trim_end());
+            return ExitCode::from(MOUNT_EX_USAGE);
+        }
+    };
+    if h.fake {
+        return ExitCode::SUCCESS;
+    }
+    let inv = daemon::Invocation {
+        argv: etcfs_argv,
+        notify_socket,
+    };
+    match daemon::mount(args, inv) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            ExitCode::from(MOUNT_EX_FAIL)
+        }
+    }
+}
+
+/// The manual pages from clap's definitions, under `dir` as man(1) looks for them:
+/// `man1/` holds `etcfs` and each visible subcommand (`etcfs-mount.1`...), `man8/` the
+/// mount helper.
+fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let (man1, man8) = (dir.join("man1"), dir.join("man8"));
+    for d in [&man1, &man8] {
+        std::fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
+    }
+    clap_mangen::generate_to(Cli::command(), &man1)
+        .with_context(|| format!("write manual pages to {}", man1.display()))?;
+    let helper = clap_mangen::Man::new(mount_opts::HelperArgs::command()).section("8");
+    helper
+        .generate_to(&man8)
+        .with_context(|| format!("write {} to {}", helper.get_filename(), man8.display()))?;
+    Ok(())
 }

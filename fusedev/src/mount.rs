@@ -29,6 +29,10 @@ pub struct MountOptions {
     /// Mount `noatime` (shown in /proc/mounts; FUSE leaves atime to the filesystem,
     /// which must then not update it either).
     pub noatime: bool,
+    /// Mount read-only (`MS_RDONLY`): the kernel answers EROFS to every write.
+    pub read_only: bool,
+    /// Mount `noexec` (`MS_NOEXEC`).
+    pub noexec: bool,
     /// Owner the kernel reports for the connection (`user_id=`, `group_id=`).
     pub uid: u32,
     /// See `uid`.
@@ -204,7 +208,7 @@ impl Mount {
                 source.as_ptr(),
                 target.as_ptr(),
                 fstype.as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV | if opts.noatime { libc::MS_NOATIME } else { 0 },
+                mount_flags(opts),
                 data_c.as_ptr().cast(),
             )
         };
@@ -388,6 +392,22 @@ impl Drop for Mount {
     }
 }
 
+/// The mount(2) flags of `opts`. Always nosuid and nodev: another node's root decides
+/// what the files are, not this node's.
+fn mount_flags(opts: &MountOptions) -> libc::c_ulong {
+    let mut f = libc::MS_NOSUID | libc::MS_NODEV;
+    for (on, flag) in [
+        (opts.noatime, libc::MS_NOATIME),
+        (opts.read_only, libc::MS_RDONLY),
+        (opts.noexec, libc::MS_NOEXEC),
+    ] {
+        if on {
+            f |= flag;
+        }
+    }
+    f
+}
+
 fn cstring(bytes: &[u8]) -> CString {
     CString::new(bytes).unwrap_or_else(|_| CString::from(c"?"))
 }
@@ -487,11 +507,34 @@ mod tests {
     }
 
     #[test]
+    fn flags_always_nosuid_nodev() {
+        let mut opts = MountOptions {
+            fsname: "t".into(),
+            allow_other: false,
+            noatime: false,
+            read_only: false,
+            noexec: false,
+            uid: 0,
+            gid: 0,
+        };
+        assert_eq!(mount_flags(&opts), libc::MS_NOSUID | libc::MS_NODEV);
+        opts.read_only = true;
+        opts.noexec = true;
+        opts.noatime = true;
+        assert_eq!(
+            mount_flags(&opts),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_RDONLY | libc::MS_NOEXEC | libc::MS_NOATIME
+        );
+    }
+
+    #[test]
     fn missing_mountpoint_is_a_clear_error() {
         let opts = MountOptions {
             fsname: "t".into(),
             allow_other: false,
             noatime: false,
+            read_only: false,
+            noexec: false,
             uid: 0,
             gid: 0,
         };

@@ -115,6 +115,8 @@ fn mount(fs: Arc<OneFile>, transport: TransportChoice) -> Mounted {
         fsname: "etcfs-test".into(),
         allow_other: false,
         noatime: false,
+        read_only: false,
+        noexec: false,
         uid: 0,
         gid: 0,
     };

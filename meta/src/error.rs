@@ -135,6 +135,10 @@ pub enum MetaError {
     /// The submission queue is full (only from non-blocking submission).
     #[error("pipeline queue full")]
     QueueFull,
+    /// The pipeline is read-only ([`crate::pipeline::Config::read_only`]) and the mutation
+    /// would change the filesystem.
+    #[error("read-only mount")]
+    ReadOnly,
 }
 
 impl From<KvError> for MetaError {

@@ -50,6 +50,7 @@ async fn apply(kv: &dyn KvBackend, keys: &Keyspace, m: Mutation, s: &Session, in
             block_size: 4096,
             groups: None,
             lock_at_create: true,
+            read_only: false,
         };
         match plan(&m, &snap, &ctx) {
             Planned::Ready(p) => {

@@ -12,6 +12,34 @@ fn cached_io(flags: u32, off: u64, len: u64) -> Option<locks::Range> {
     (flags & libc::O_DIRECT as u32 == 0).then(|| (off, off.saturating_add(len)))
 }
 
+/// Whether a request would change the filesystem: refused with EROFS on a read-only
+/// mount. The kernel refuses these itself on an `MS_RDONLY` mount; the daemon does not
+/// rely on it (a bind mount made writable, a kernel that forwards one anyway).
+fn changes_fs(op: &Operation<'_>) -> bool {
+    match op {
+        Operation::Setattr(_)
+        | Operation::Symlink { .. }
+        | Operation::Mknod { .. }
+        | Operation::Mkdir { .. }
+        | Operation::Unlink { .. }
+        | Operation::Rmdir { .. }
+        | Operation::Rename { .. }
+        | Operation::Link { .. }
+        | Operation::Write { .. }
+        | Operation::Setxattr { .. }
+        | Operation::Removexattr { .. }
+        | Operation::Create { .. }
+        | Operation::Fallocate { .. }
+        | Operation::CopyFileRange { .. }
+        | Operation::Tmpfile { .. } => true,
+        Operation::Open { flags, .. } => {
+            let f = *flags as i32;
+            f & libc::O_ACCMODE != libc::O_RDONLY || f & libc::O_TRUNC != 0
+        }
+        _ => false,
+    }
+}
+
 impl EtcFs {
     /// Runs `f` on a waiter when the reply can be deferred, else inline.
     /// The operation runs under the session current when the request arrived
@@ -45,6 +73,9 @@ impl EtcFs {
     fn dispatch(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         let h = req.header;
         let ino = h.nodeid;
+        if self.inner.read_only && changes_fs(&req.op) {
+            return Reply::Error(Errno::EROFS);
+        }
         match req.op {
             Operation::Lookup { name } => {
                 // Answered on the core when the caches know the name (and its inode).

@@ -64,6 +64,7 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
         MetaError::UnsafeFreeMap { .. } => Errno::EIO,
         // Only non-blocking submission reports it; handlers use blocking submission.
         MetaError::QueueFull => Errno::EAGAIN,
+        MetaError::ReadOnly => Errno::EROFS,
     }
 }
 
@@ -136,6 +137,7 @@ mod tests {
             (MetaError::Closed, Errno::EIO),
             (MetaError::EtcdFull("quota".into()), Errno::ENOSPC),
             (MetaError::QueueFull, Errno::EAGAIN),
+            (MetaError::ReadOnly, Errno::EROFS),
         ];
         for (e, want) in rows {
             assert_eq!(meta(e), *want, "{e:?}");

@@ -313,9 +313,11 @@ impl Inner {
                 log::warn!("rejoin: the old session {:x} is revoked", dead.0);
             }
         }
-        match self.claim_groups(GROUPS_CLAIM_INITIAL) {
-            Ok(n) => log::warn!("rejoin: claimed {n} allocation groups"),
-            Err(e) => log::warn!("rejoin: claiming allocation groups: {e} (retried on demand)"),
+        if !self.read_only {
+            match self.claim_groups(GROUPS_CLAIM_INITIAL) {
+                Ok(n) => log::warn!("rejoin: claimed {n} allocation groups"),
+                Err(e) => log::warn!("rejoin: claiming allocation groups: {e} (retried on demand)"),
+            }
         }
         log::warn!(
             "rejoin: serving again (handle generation {}); files opened before the fence \

@@ -396,6 +396,9 @@ impl Inner {
     /// reclaim of a file whose blocks we allocated) into our free maps, so the space is
     /// usable, and shown by statfs, while we own the groups. See the module docs.
     pub(super) fn fold_released(&self) {
+        if self.read_only {
+            return;
+        }
         let spans: Vec<(u64, u64)> = {
             let a = lock(&self.alloc);
             a.owned()

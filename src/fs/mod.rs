@@ -216,6 +216,8 @@ pub(crate) struct FsConfig {
     pub lease_ttl_s: i64,
     /// Never update atime (else relatime).
     pub noatime: bool,
+    /// A read-only mount (`--read-only`): see [`Inner::read_only`].
+    pub read_only: bool,
 }
 
 /// Kernel cache timeouts and the daemon's cache sizing.
@@ -229,6 +231,7 @@ pub(crate) struct CacheOpts {
     pub lock_min_hold: Duration,
     pub lease_ttl_s: i64,
     pub noatime: bool,
+    pub read_only: bool,
 }
 
 impl CacheOpts {
@@ -244,6 +247,7 @@ impl CacheOpts {
             lock_min_hold: Duration::ZERO,
             lease_ttl_s: 10,
             noatime: false,
+            read_only: false,
         }
     }
 }
@@ -523,8 +527,16 @@ pub(crate) struct Inner {
     inode_count: Mutex<Option<(std::time::Instant, u64)>>,
     /// Held by the one waiter counting inodes; the others answer the last count.
     counting: Mutex<()>,
-    /// No atime updates (`--noatime`); otherwise relatime (`atime.rs`).
+    /// No atime updates (`--noatime`, or a read-only mount); otherwise relatime
+    /// (`atime.rs`).
     noatime: bool,
+    /// A read-only mount: every request that would change the filesystem answers EROFS
+    /// (`dispatch.rs`), the pipeline refuses every mutation but open records
+    /// (`meta::pipeline::Config::read_only`), and the node makes none of the writes it makes
+    /// on its own: no group claims (so no free-map writes), no reclaim of orphans or of
+    /// dead local sessions, no atime. It still has a session, cluster cache locks, fcntl
+    /// locks and open records: what reading coherently next to writers needs.
+    read_only: bool,
 }
 
 /// Where READs and WRITEs were served, for `etcfs stats`: on the core (no etcd, no waiter)
@@ -581,7 +593,10 @@ impl EtcFs {
             connect_etcd(cfg.etcd.clone()),
             keys,
             clock.clone(),
-            pipeline_config(),
+            PipelineConfig {
+                read_only: cfg.read_only,
+                ..pipeline_config()
+            },
         )
         .map_err(unreachable)?;
         let dev = Dev::File(dev);
@@ -601,6 +616,7 @@ impl EtcFs {
             lock_min_hold: cfg.lock_min_hold,
             lease_ttl_s: cfg.lease_ttl_s,
             noatime: cfg.noatime,
+            read_only: cfg.read_only,
         };
         Self::open_checked(
             pipeline,
@@ -670,14 +686,19 @@ impl EtcFs {
             plocks: plocks::Plocks::default(),
             inode_count: Mutex::new(None),
             counting: Mutex::new(()),
-            noatime: opts.noatime,
+            noatime: opts.noatime || opts.read_only,
+            read_only: opts.read_only,
         });
-        inner.revoke_dead_local_sessions();
-        inner
-            .claim_groups(GROUPS_CLAIM_INITIAL)
-            .context("claiming allocation groups")?;
-        if let Err(e) = inner.reclaim_dead_orphans() {
-            log::warn!("reclaiming orphans of dead nodes: {e}");
+        if opts.read_only {
+            log::info!("read-only: no group claims, no reclaims, no atime writes");
+        } else {
+            inner.revoke_dead_local_sessions();
+            inner
+                .claim_groups(GROUPS_CLAIM_INITIAL)
+                .context("claiming allocation groups")?;
+            if let Err(e) = inner.reclaim_dead_orphans() {
+                log::warn!("reclaiming orphans of dead nodes: {e}");
+            }
         }
         let hk = {
             let weak = Arc::downgrade(&inner);
@@ -752,6 +773,9 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
                     }
                     i.commit_aged();
                     i.unhold_idle(false);
+                    if i.read_only {
+                        continue;
+                    }
                     if waited.as_millis() % 1000 < step.as_millis() {
                         i.fold_released();
                     }
@@ -764,6 +788,10 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
         }
         let Some(i) = inner.upgrade() else { return };
         if i.fenced.load(Ordering::Acquire) {
+            continue;
+        }
+        if i.read_only {
+            i.trim_locks();
             continue;
         }
         if lock(&i.alloc).owned().is_empty() {

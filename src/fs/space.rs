@@ -236,6 +236,9 @@ impl Inner {
     }
 
     pub(super) fn reclaim_orphan(&self, ino: Ino) {
+        if self.read_only {
+            return;
+        }
         // A large file goes in chunks, one commit each; every chunk removes extents, so
         // this ends.
         loop {
@@ -286,6 +289,9 @@ impl Inner {
     /// crash has all the space. Only this host can tell, by its process table: node names
     /// must be unique in the cluster (the hostname by default).
     pub(super) fn revoke_dead_local_sessions(&self) {
+        if self.read_only {
+            return;
+        }
         let Some(session) = lock(&self.session).clone() else {
             return;
         };
@@ -319,6 +325,10 @@ impl Inner {
     /// Claims group `g` (if no live session owns it) and loads its free map from etcd.
     /// True when this node newly owns it.
     pub(super) fn try_claim(&self, g: u32) -> Result<bool, MetaError> {
+        if self.read_only {
+            // A claim writes the group's owner key; a read-only node allocates nothing.
+            return Err(MetaError::ReadOnly);
+        }
         let session = lock(&self.session).clone().ok_or(MetaError::Closed)?;
         // One claim at a time: etcd answers "yours" to a second claim of a group this
         // session already holds, and two writers that ran out of space at once used to load
@@ -425,6 +435,9 @@ impl Inner {
     /// node holds any more are reclaimed (`held.rs`), a bounded number of pages per call
     /// (the next call resumes where this one stopped).
     pub(super) fn reclaim_dead_orphans(&self) -> Result<(), MetaError> {
+        if self.read_only {
+            return Ok(());
+        }
         self.adopt_released_groups()?;
         self.reclaim_unheld_orphans().map(|_| ())
     }
@@ -684,6 +697,9 @@ impl Inner {
     /// frees every group anyway and the next owner would apply the records, but until some
     /// node claims the group its free space would not show.
     pub(super) fn fold_before_leaving(&self) {
+        if self.read_only {
+            return;
+        }
         // One paged read of every record (they are few: each lives for seconds).
         let records = run_read(&self.meta, |kv, keys| {
             Box::pin(async move { released_records(&*kv, &keys, 0, u64::MAX).await })

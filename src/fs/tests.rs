@@ -73,7 +73,10 @@ fn mount_with(kv: &Arc<MemEtcd>, dev: &MemDev, opts: &CacheOpts) -> EtcFs {
         connect_backend(kv.clone() as Arc<dyn KvBackend>),
         Keyspace::new("t").unwrap(),
         clock,
-        pipeline_config(),
+        meta::pipeline::Config {
+            read_only: opts.read_only,
+            ..pipeline_config()
+        },
     )
     .unwrap();
     let geometry = super::check_filesystem(&p.client(), &Dev::Mem(dev.clone())).unwrap();
@@ -2015,4 +2018,173 @@ fn an_orphan_held_by_a_dead_node_is_reclaimed_by_a_live_one() {
     );
     a.fs.inner().reclaim_dead_orphans().unwrap();
     assert_eq!(keys_of(&a, b"t/O", b"t/P"), 0, "reclaimed by A");
+}
+
+/// The filesystem's own records (not sessions, locks, open records or commit markers).
+fn fs_records(kv: &MemEtcd) -> Vec<(Vec<u8>, Vec<u8>)> {
+    use meta::keys::KeyKind as K;
+    let keys = Keyspace::new("t").unwrap();
+    let all = keys.all();
+    kv.dump(&all.start, &all.end)
+        .into_iter()
+        .filter(|(k, _)| {
+            !matches!(
+                keys.parse(k),
+                Some(
+                    K::Member(_)
+                        | K::Evict(_)
+                        | K::CacheLock(..)
+                        | K::CacheWant(..)
+                        | K::Held(..)
+                        | K::Lock(_)
+                        | K::TxnMarker(..)
+                )
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_read_only_mount_refuses_changes_and_writes_nothing_of_its_own() {
+    let mut fx = Fx::new();
+    let (f, fh) = fx.create(ROOT, b"f");
+    fx.write(f, fh, 0, &pattern(3, 3 * BLOCK_SIZE as usize));
+    fx.release(f, fh);
+    let d = fx.mkdir(ROOT, b"d");
+    fx.fs.destroy();
+    let before = fs_records(&fx.kv);
+    assert!(before.len() > 5, "inodes, names, extents, maps: {before:?}");
+
+    let opts = CacheOpts {
+        read_only: true,
+        ..CacheOpts::uniform(Duration::from_secs(1))
+    };
+    let mut ro = Fx {
+        fs: mount_with(&fx.kv, &fx.dev, &opts),
+        kv: fx.kv.clone(),
+        dev: fx.dev.clone(),
+        out: vec![0; 2 << 20],
+        unique: 1,
+    };
+    // Reads work (a first read after a write would move atime under relatime).
+    let e = ro.lookup(ROOT, b"f");
+    assert_eq!(e.nodeid, f);
+    let fh = parse::<OpenOut>(&ro.ok(
+        f,
+        Operation::Open {
+            flags: libc::O_RDONLY as u32,
+            open_flags: 0,
+        },
+    ))
+    .fh;
+    same(
+        &ro.read(f, fh, 0, 3 * BLOCK_SIZE as u32),
+        &pattern(3, 3 * BLOCK_SIZE as usize),
+    );
+    assert_eq!(ro.names(ROOT).len(), 4, "., .., f, d");
+    ro.statfs();
+    ro.getattr(d);
+    // Every change answers EROFS.
+    let setattr = SetattrIn {
+        valid: FATTR_MODE,
+        mode: 0o600,
+        ..SetattrIn::default()
+    };
+    for (ino, op) in [
+        (
+            f,
+            Operation::Open {
+                flags: libc::O_RDWR as u32,
+                open_flags: 0,
+            },
+        ),
+        (
+            f,
+            Operation::Open {
+                flags: (libc::O_RDONLY | libc::O_TRUNC) as u32,
+                open_flags: 0,
+            },
+        ),
+        (
+            ROOT,
+            Operation::Create {
+                name: b"g",
+                flags: libc::O_RDWR as u32,
+                mode: 0o644,
+                umask: 0o022,
+                open_flags: 0,
+            },
+        ),
+        (
+            ROOT,
+            Operation::Mkdir {
+                name: b"e",
+                mode: 0o755,
+                umask: 0,
+            },
+        ),
+        (ROOT, Operation::Unlink { name: b"f" }),
+        (ROOT, Operation::Rmdir { name: b"d" }),
+        (
+            ROOT,
+            Operation::Rename {
+                newdir: d,
+                name: b"f",
+                newname: b"f2",
+                flags: 0,
+            },
+        ),
+        (
+            d,
+            Operation::Link {
+                oldnodeid: f,
+                name: b"l",
+            },
+        ),
+        (
+            ROOT,
+            Operation::Symlink {
+                name: b"s",
+                target: b"f",
+            },
+        ),
+        (f, Operation::Setattr(setattr)),
+        (
+            f,
+            Operation::Setxattr {
+                name: b"user.a",
+                value: b"1",
+                flags: 0,
+            },
+        ),
+        (f, Operation::Removexattr { name: b"user.a" }),
+        (
+            f,
+            Operation::Write {
+                fh,
+                offset: 0,
+                data: b"x",
+                write_flags: 0,
+                flags: 0,
+            },
+        ),
+        (
+            f,
+            Operation::Fallocate {
+                fh,
+                offset: 0,
+                length: 4096,
+                mode: 0,
+            },
+        ),
+    ] {
+        let what = format!("{op:?}");
+        assert_eq!(ro.err(ino, op), Errno::EROFS, "{what}");
+    }
+    ro.release(f, fh);
+    ro.fs.destroy();
+    assert!(
+        before == fs_records(&fx.kv),
+        "a read-only mount changed the filesystem's records"
+    );
 }

@@ -687,6 +687,7 @@ impl Committer {
                 block_size: self.cfg.block_size,
                 groups: self.cfg.groups,
                 lock_at_create: self.cfg.registered,
+                read_only: self.cfg.read_only,
             };
             match plan(&w.m, &w.snap, &ctx) {
                 Planned::Ready(p) => {

@@ -88,6 +88,10 @@ pub struct Config {
     /// its marker (a proposal lost with a dead leader is otherwise waited out for the
     /// whole request timeout).
     pub commit_answer_wait: std::time::Duration,
+    /// A read-only mount: every mutation that would change the filesystem fails with
+    /// [`MetaError::ReadOnly`] before it is queued (and, for the ones the pipeline makes
+    /// itself, when planned); only open records come and go ([`Mutation::allowed_read_only`]).
+    pub read_only: bool,
 }
 
 impl Default for Config {
@@ -109,6 +113,7 @@ impl Default for Config {
             registered: false,
             unanswered_budget: std::time::Duration::from_secs(5),
             commit_answer_wait: std::time::Duration::from_secs(2),
+            read_only: false,
         }
     }
 }
@@ -354,6 +359,8 @@ pub struct MetaClient {
     reads_queued_max: u64,
     /// The session mutations are stamped with unless the caller names one.
     session: Arc<AtomicU64>,
+    /// [`Config::read_only`].
+    read_only: bool,
 }
 
 impl std::fmt::Debug for MetaClient {
@@ -543,6 +550,7 @@ impl Pipeline {
             reads_queued: Arc::new(AtomicU64::new(0)),
             reads_queued_max: cfg.reads_queued_max as u64,
             session: current,
+            read_only: cfg.read_only,
         };
         Ok(Pipeline {
             client: Some(client),
@@ -614,6 +622,11 @@ impl Drop for Pipeline {
 
 impl MetaClient {
     fn send(&self, r: Request, block: bool) -> Result<(), MetaError> {
+        if let Request::Mutate { m, .. } = &r {
+            if self.read_only && !m.allowed_read_only() {
+                return Err(MetaError::ReadOnly);
+            }
+        }
         let res = if block {
             self.tx.send(r).map_err(|_| MetaError::Closed)
         } else {

@@ -324,6 +324,13 @@ pub enum Mutation {
 }
 
 impl Mutation {
+    /// Whether a read-only mount may commit it: open records only, which keep a file this
+    /// node reads whole while another node unlinks it (a read-only node's last close of an
+    /// orphan leaves its reclaim to a writable node: `plan_unhold`).
+    pub fn allowed_read_only(&self) -> bool {
+        matches!(self, Mutation::Hold { .. } | Mutation::Unhold { .. })
+    }
+
     /// Whether the pipeline must assign a fresh inode number before planning.
     pub fn needs_ino(&self) -> bool {
         matches!(self, Mutation::Create { .. })

@@ -114,6 +114,8 @@ pub struct PlanCtx<'a> {
     pub groups: Option<GroupLayout>,
     /// A created regular file's cache lock is taken in its create (`Config::lock_at_create`).
     pub lock_at_create: bool,
+    /// A read-only mount ([`crate::pipeline::Config::read_only`]).
+    pub read_only: bool,
 }
 
 /// A mutation's share of a transaction.
@@ -528,6 +530,11 @@ fn round_up(n: u64, to: u64) -> u64 {
 
 /// Plans one mutation against a snapshot. Pure: same inputs, same output.
 pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
+    // The client refuses these before queueing; this catches what the pipeline makes
+    // itself (coalesced times, inode reservations).
+    if ctx.read_only && !m.allowed_read_only() {
+        return Planned::Fail(MetaError::ReadOnly);
+    }
     let mut p = P {
         snap,
         ctx,
@@ -1667,6 +1674,12 @@ fn plan_unhold(p: &mut P<'_>, ino: Ino) -> R<()> {
         }
         Some(Some(okv)) => okv,
     };
+    if p.ctx.read_only {
+        // Only the record: the reclaim is a writable node's (its orphan scan finds the
+        // orphan unheld), so a read-only node writes no inode, extent or free map.
+        p.delete(own);
+        return Ok(());
+    }
     p.need(&[
         RangeRequest::key(k.inode(ino)),
         extents_req(k, ino, 0),
