@@ -17,7 +17,7 @@ use fusedev::{
 };
 use signal_hook::{consts::SIGINT, consts::SIGTERM, iterator::Signals};
 
-use crate::{control, embedded, fs, memfs, MkfsArgs, MountArgs, Transport};
+use crate::{control, embedded, fs, memfs, stats, MkfsArgs, MountArgs, Transport};
 
 /// How long a detaching `etcfs mount` waits for its daemon to finish mounting.
 const MOUNT_READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -54,7 +54,11 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
     // Checked before anything starts (a private etcd, a detached daemon), so a bad mount
     // point is the one error shown; the mount itself checks again.
     let mountpoint = mount::check_mountpoint(&args.mountpoint)?;
+    // Likewise the metrics port: listened on before anything is mounted (the detaching
+    // parent only tries, so that the reason is its own error, and lets its child listen).
+    let metrics = args.metrics.as_deref().map(stats::http::bind).transpose()?;
     if !args.foreground {
+        drop(metrics);
         return spawn_detached(&args, &mountpoint);
     }
     let cpus = worker_cpus(args.cpus.as_deref())?;
@@ -67,7 +71,7 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
             uid: nix_uid(),
             gid: nix_gid(),
         }));
-        return serve(&args, &cpus, handler);
+        return serve(&args, &cpus, handler, metrics);
     }
     // The private etcd of the embedded default lives as long as the mount.
     let mut private_etcd = None;
@@ -120,12 +124,17 @@ pub(crate) fn mount(args: MountArgs) -> Result<()> {
         lease_ttl_s: args.lease_ttl,
         noatime: args.noatime,
     })?);
-    let result = serve(&args, &cpus, handler);
+    let result = serve(&args, &cpus, handler, metrics);
     drop(private_etcd);
     result
 }
 
-fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<()> {
+fn serve(
+    args: &MountArgs,
+    cpus: &[usize],
+    handler: Arc<dyn Handler>,
+    metrics: Option<std::net::TcpListener>,
+) -> Result<()> {
     let choice = match args.transport {
         Transport::Auto => TransportChoice::Auto,
         Transport::Uring => TransportChoice::Uring,
@@ -177,18 +186,18 @@ fn serve(args: &MountArgs, cpus: &[usize], handler: Arc<dyn Handler>) -> Result<
     let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)
         .with_context(|| format!("start serving {}", mnt.mountpoint().display()))?;
     fs::set_notifier(session.notifier());
-    let transport = session.transport().to_string();
-    let report: Arc<control::ReportFn> = Arc::new(move |json| {
-        let mut r = registry.snapshot();
-        r.transport = transport.clone();
-        r.counters.extend(handler_for_stats.counters());
-        if json {
-            r.to_json()
-        } else {
-            r.to_text()
-        }
-    });
+    let stats = Arc::new(stats::Stats::new(
+        registry,
+        handler_for_stats,
+        session.transport().to_string(),
+    ));
+    let for_socket = stats.clone();
+    let report: Arc<control::ReportFn> = Arc::new(move |ask| for_socket.answer(ask));
     let socket = control::serve(mnt.mountpoint(), report)?;
+    if let Some(listener) = metrics {
+        let at = stats::http::serve(listener, stats)?;
+        log::info!("serving Prometheus metrics at http://{at}/metrics");
+    }
     let stopper = session.stopper();
     std::thread::Builder::new()
         .name("etcfs-signals".into())
