@@ -181,9 +181,8 @@ impl Snapshot {
             } else {
                 (
                     "etcfs_fuse_request_stage_duration_seconds",
-                    "Time spent in one stage of a FUSE request, by opcode and stage: waiting \
-                     in the queue, in the handler, at the device, for etcd, replying \
-                     (--perf).",
+                    "Time spent in one stage of a FUSE request, by opcode and stage: \
+                     queue_wait (in the worker's batch), handler, device_io (--perf).",
                 )
             };
             let mut fam = enc.encode_descriptor(name, help, None, MetricType::Histogram)?;
