@@ -1,5 +1,6 @@
 //! The control socket of a mounted filesystem: `etcfs stats` asks the daemon serving a
-//! mountpoint for its live report over a Unix socket named after the mountpoint.
+//! mountpoint for its live report (or to reset its counters) over a Unix socket named
+//! after the mountpoint.
 //!
 //! Only root and the user the daemon runs as may use it, checked twice: the socket is
 //! mode 0600 from the moment it has its name (bound in a private directory, then renamed
@@ -38,11 +39,47 @@ pub(crate) fn socket_path(mountpoint: &Path) -> PathBuf {
     Path::new(RUN_DIR).join(format!("{name}.sock"))
 }
 
-/// Produces the report a client asked for.
-pub(crate) type ReportFn = dyn Fn(bool) -> String + Send + Sync;
+/// What a client asks for: one line on the socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ask {
+    /// `text`: the report as a table (also anything unknown, as before there were others).
+    Text,
+    /// `json`: the report as one JSON object.
+    Json,
+    /// `prometheus`: the Prometheus text exposition.
+    Prometheus,
+    /// `reset`: later reports count from now.
+    Reset,
+}
 
-/// Serves stats requests until the process exits. Each request is one line, `text` or
-/// `json`; the answer is the report, then the connection closes.
+impl Ask {
+    fn line(self) -> &'static [u8] {
+        match self {
+            Ask::Text => b"text\n",
+            Ask::Json => b"json\n",
+            Ask::Prometheus => b"prometheus\n",
+            Ask::Reset => b"reset\n",
+        }
+    }
+
+    fn parse(line: &str) -> Ask {
+        match line.trim() {
+            "json" => Ask::Json,
+            "prometheus" => Ask::Prometheus,
+            "reset" => Ask::Reset,
+            _ => Ask::Text,
+        }
+    }
+}
+
+/// The daemon's answer to a reset.
+pub(crate) const RESET_DONE: &str = "reset\n";
+
+/// Produces the answer to what a client asked for.
+pub(crate) type ReportFn = dyn Fn(Ask) -> String + Send + Sync;
+
+/// Serves stats requests until the process exits. Each request is one line (see [`Ask`]);
+/// the answer follows, then the connection closes.
 pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<PathBuf> {
     std::fs::create_dir_all(RUN_DIR).with_context(|| format!("create {RUN_DIR}"))?;
     let path = socket_path(mountpoint);
@@ -116,12 +153,11 @@ fn answer(conn: UnixStream, owner: u32, report: &ReportFn) -> std::io::Result<()
                 .as_bytes(),
         );
     }
-    let json = line.trim() == "json";
-    (&conn).write_all(report(json).as_bytes())
+    (&conn).write_all(report(Ask::parse(&line)).as_bytes())
 }
 
-/// `etcfs stats MOUNTPOINT [--json]`.
-pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
+/// Asks the daemon serving `mountpoint` for `ask`: its canonical path and the answer.
+pub(crate) fn ask(mountpoint: &Path, ask: Ask) -> Result<(PathBuf, String)> {
     let canonical = std::fs::canonicalize(mountpoint)
         .with_context(|| format!("mountpoint {}", mountpoint.display()))?;
     let path = socket_path(&canonical);
@@ -134,13 +170,13 @@ pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
             path.display()
         ),
         Err(e) => bail!(
-            "no etcfs daemon is serving {} (control socket {}: {e})",
+            "{} is not an etcfs mount: no etcfs daemon serves it (control socket {}: {e})",
             canonical.display(),
             path.display()
         ),
     };
     conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-    conn.write_all(if json { b"json\n" } else { b"text\n" })?;
+    conn.write_all(ask.line())?;
     let mut out = String::new();
     conn.read_to_string(&mut out)
         .context("read the daemon's report")?;
@@ -151,11 +187,15 @@ pub(crate) fn print_stats(mountpoint: &Path, json: bool) -> Result<()> {
             why.trim_end()
         );
     }
-    print!("{out}");
-    if !out.ends_with('\n') {
-        println!();
+    if ask == Ask::Reset && out != RESET_DONE {
+        bail!(
+            "the etcfs daemon serving {} does not know resets (an older version?): it \
+             answered {:?}",
+            canonical.display(),
+            out.lines().next().unwrap_or("")
+        );
     }
-    Ok(())
+    Ok((canonical, out))
 }
 
 #[cfg(test)]
@@ -169,6 +209,15 @@ mod tests {
         assert!(!allowed(65534, 1000));
         assert!(allowed(0, 0));
         assert!(!allowed(1000, 0));
+    }
+
+    #[test]
+    fn asks_travel_as_their_line() {
+        for ask in [Ask::Text, Ask::Json, Ask::Prometheus, Ask::Reset] {
+            let line = std::str::from_utf8(ask.line()).unwrap();
+            assert_eq!(Ask::parse(line), ask);
+        }
+        assert_eq!(Ask::parse("what\n"), Ask::Text, "as old daemons answered");
     }
 
     #[test]

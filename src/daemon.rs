@@ -18,7 +18,7 @@ use fusedev::{
 };
 use signal_hook::{consts::SIGINT, consts::SIGTERM, iterator::Signals};
 
-use crate::{control, embedded, fs, memfs, sdnotify, MkfsArgs, MountArgs, Transport};
+use crate::{control, embedded, fs, memfs, sdnotify, stats, MkfsArgs, MountArgs, Transport};
 
 /// How `etcfs mount` was started, beyond its flags.
 #[derive(Debug, Clone)]
@@ -68,7 +68,11 @@ pub(crate) fn mount(args: MountArgs, inv: Invocation) -> Result<()> {
     // point is the one error shown; the mount itself checks again.
     let mountpoint = mount::check_mountpoint(&args.mountpoint)?;
     let notifier = inv.notify_socket.clone().map(sdnotify::Notifier::new);
+    // Likewise the metrics port: listened on before anything is mounted (the detaching
+    // parent only tries, so that the reason is its own error, and lets its child listen).
+    let metrics = args.metrics.as_deref().map(stats::http::bind).transpose()?;
     if !args.foreground {
+        drop(metrics);
         return spawn_detached(&args, &mountpoint, &inv.argv, notifier.as_ref());
     }
     let cpus = worker_cpus(args.cpus.as_deref())?;
@@ -81,7 +85,7 @@ pub(crate) fn mount(args: MountArgs, inv: Invocation) -> Result<()> {
             uid: nix_uid(),
             gid: nix_gid(),
         }));
-        return serve(&args, &cpus, handler, notifier.as_ref());
+        return serve(&args, &cpus, handler, notifier.as_ref(), metrics);
     }
     // The private etcd of the embedded default lives as long as the mount.
     let mut private_etcd = None;
@@ -135,7 +139,7 @@ pub(crate) fn mount(args: MountArgs, inv: Invocation) -> Result<()> {
         noatime: args.noatime,
         read_only: args.read_only,
     })?);
-    let result = serve(&args, &cpus, handler, notifier.as_ref());
+    let result = serve(&args, &cpus, handler, notifier.as_ref(), metrics);
     drop(private_etcd);
     result
 }
@@ -145,6 +149,7 @@ fn serve(
     cpus: &[usize],
     handler: Arc<dyn Handler>,
     notifier: Option<&sdnotify::Notifier>,
+    metrics: Option<std::net::TcpListener>,
 ) -> Result<()> {
     let choice = match args.transport {
         Transport::Auto => TransportChoice::Auto,
@@ -195,18 +200,18 @@ fn serve(
     let session = Session::start(mnt.clone(), handler, registry.clone(), &cfg, uring_possible)
         .with_context(|| format!("start serving {}", mnt.mountpoint().display()))?;
     fs::set_notifier(session.notifier());
-    let transport = session.transport().to_string();
-    let report: Arc<control::ReportFn> = Arc::new(move |json| {
-        let mut r = registry.snapshot();
-        r.transport = transport.clone();
-        r.counters.extend(handler_for_stats.counters());
-        if json {
-            r.to_json()
-        } else {
-            r.to_text()
-        }
-    });
+    let stats = Arc::new(stats::Stats::new(
+        registry,
+        handler_for_stats,
+        session.transport().to_string(),
+    ));
+    let for_socket = stats.clone();
+    let report: Arc<control::ReportFn> = Arc::new(move |ask| for_socket.answer(ask));
     let socket = control::serve(mnt.mountpoint(), report)?;
+    if let Some(listener) = metrics {
+        let at = stats::http::serve(listener, stats)?;
+        log::info!("serving Prometheus metrics at http://{at}/metrics");
+    }
     let stopper = session.stopper();
     let stop_notifier = notifier.cloned();
     std::thread::Builder::new()

@@ -15,6 +15,7 @@ mod fsck;
 mod memfs;
 mod mount_opts;
 mod sdnotify;
+mod stats;
 mod status;
 
 use std::{ffi::OsString, path::PathBuf, process::ExitCode};
@@ -42,14 +43,9 @@ enum Command {
     Mkfs(MkfsArgs),
     /// Mount a filesystem (in the background unless --foreground).
     Mount(MountArgs),
-    /// Print live per-operation statistics of a mounted filesystem.
-    Stats {
-        /// Where the filesystem is mounted.
-        mountpoint: PathBuf,
-        /// Print one JSON object instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Print live per-operation statistics of a mounted filesystem, watch them change
+    /// (--watch), or start them again from zero (--reset).
+    Stats(stats::StatsArgs),
     /// Show a filesystem's space, its nodes (sessions, leases, groups, locks, open files)
     /// and its etcd cluster, with warnings; read from etcd, so any host can run it.
     Status {
@@ -180,6 +176,11 @@ pub(crate) struct MountArgs {
     /// Record per-op latency histograms (see `etcfs stats`).
     #[arg(long)]
     pub(crate) perf: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics, ADDR being HOST:PORT (e.g.
+    /// 127.0.0.1:9567; 9567 is etcfs's suggested port). Latency histograms need --perf.
+    /// A port that cannot be listened on fails the mount.
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) metrics: Option<String>,
     /// Stay in the foreground instead of detaching once mounted.
     #[arg(short, long)]
     pub(crate) foreground: bool,
@@ -301,7 +302,7 @@ fn main() -> ExitCode {
                 notify_socket,
             },
         ),
-        Command::Stats { mountpoint, json } => control::print_stats(&mountpoint, json),
+        Command::Stats(args) => stats::main(&args),
         Command::Status { cluster, json } => cluster
             .etcd_config()
             .and_then(|cfg| status::print_status(&cfg, &cluster.prefix, json)),

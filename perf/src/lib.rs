@@ -80,7 +80,7 @@ mod report;
 use serde::{Deserialize, Serialize};
 
 pub use crate::{
-    registry::{CoreRecorder, Registry, Timer},
+    registry::{Baseline, CoreRecorder, Export, LatencyBuckets, Registry, Timer},
     report::{OpReport, Report, StageReport},
 };
 

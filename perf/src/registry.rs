@@ -84,6 +84,65 @@ struct Recorded {
     histogram: Histogram<u64>,
     // Samples above `LATENCY_NS_MAX`, recorded as the maximum.
     saturated: u64,
+    // Every sample as recorded (clamped to the bound), summed: a mean over an interval is
+    // the difference of two sums over the difference of two counts.
+    sum_ns: u64,
+}
+
+/// What every count, counter and histogram of a [`Registry`] held at one moment, so that a
+/// later report shows only what came after ([`Registry::snapshot_since`]): the `--reset`
+/// of a stats view, which must not touch the cells the workers write without atomics.
+///
+/// Histograms are kept as their recorded (value, count) pairs, not whole: a whole one is
+/// about 216 KiB, the pairs of a typical latency distribution a few KiB. So a baseline
+/// takes at most ops × stages × (distinct values recorded) pairs.
+#[derive(Clone, Debug, Default)]
+pub struct Baseline {
+    ops: Vec<u64>,
+    counters: Vec<u64>,
+    requests_per_core: Vec<u64>,
+    histograms: Vec<Option<Sparse>>,
+}
+
+#[derive(Clone, Debug)]
+struct Sparse {
+    values: Vec<(u64, u64)>,
+    saturated: u64,
+    sum_ns: u64,
+}
+
+/// One (op, stage) latency distribution in fixed buckets, for exposition formats that
+/// want cumulative buckets (Prometheus) rather than quantiles.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LatencyBuckets {
+    /// The op's name as registered.
+    pub op: &'static str,
+    /// Which part of the request.
+    pub stage: Stage,
+    /// Samples at or below each bound given to [`Registry::export`] and above the one
+    /// before it (not cumulative), then one more entry for the samples above the last
+    /// bound. A sample counts at the bottom of its histogram bucket, which lies within
+    /// [`LATENCY_SIGFIGS`] significant digits of the value recorded.
+    pub buckets: Vec<u64>,
+    /// Samples in all buckets.
+    pub count: u64,
+    /// Sum of the samples, in nanoseconds (each clamped to [`LATENCY_NS_MAX`]).
+    pub sum_ns: u64,
+}
+
+/// Everything recorded since the registry was made, unreduced: what a scraper of
+/// cumulative metrics wants ([`Registry::export`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Export {
+    /// Every op with at least one request, in registration order, with its count.
+    pub ops: Vec<(&'static str, u64)>,
+    /// Requests counted by each core, indexed by core.
+    pub requests_per_core: Vec<u64>,
+    /// Every registered counter, in registration order.
+    pub counters: Vec<(&'static str, u64)>,
+    /// Every (op, stage) with samples, ops in registration order, stages in
+    /// [`Stage::ALL`] order; empty when histograms are off.
+    pub latencies: Vec<LatencyBuckets>,
 }
 
 impl Registry {
@@ -181,31 +240,22 @@ impl Registry {
     /// the workers, so a snapshot taken under load may be a few requests apart between ops.
     /// The returned report's `transport` is empty, for the caller to fill in.
     pub fn snapshot(&self) -> Report {
-        let ops = self.op_names.len();
-        let mut op_counts = vec![0_u64; ops];
-        let mut requests_per_core = Vec::with_capacity(self.slots.len());
-        let mut counters = vec![0_u64; self.counter_names.len()];
-        let mut merged: Vec<Option<Recorded>> = if self.histograms {
-            vec![None; ops * STAGES]
-        } else {
-            Vec::new()
-        };
+        self.snapshot_since(None)
+    }
 
-        for slot in self.slots.iter() {
-            let mut requests = 0_u64;
-            for (op, total) in op_counts.iter_mut().enumerate() {
-                let n = slot.ops.get(op);
-                *total = total.wrapping_add(n);
-                requests = requests.wrapping_add(n);
-            }
-            requests_per_core.push(requests);
-            for (counter, total) in counters.iter_mut().enumerate() {
-                *total = total.wrapping_add(slot.counters.get(counter));
-            }
-            if self.histograms {
-                merge_into(&mut merged, &lock(&slot.histograms));
-            }
+    /// [`Registry::snapshot`] less what `base` held: the counts, counters and latency
+    /// distributions of what happened after it was taken.
+    pub fn snapshot_since(&self, base: Option<&Baseline>) -> Report {
+        let mut m = self.merge();
+        if let Some(base) = base {
+            m.subtract(base);
         }
+        let Merged {
+            op_counts,
+            requests_per_core,
+            counters,
+            histograms: merged,
+        } = m;
 
         let mut op_reports: Vec<OpReport> = op_counts
             .iter()
@@ -230,6 +280,150 @@ impl Registry {
                 .zip(counters)
                 .map(|(name, n)| ((*name).to_owned(), n))
                 .collect(),
+        }
+    }
+
+    /// What everything holds now, for [`Registry::snapshot_since`].
+    pub fn baseline(&self) -> Baseline {
+        let m = self.merge();
+        Baseline {
+            ops: m.op_counts,
+            counters: m.counters,
+            requests_per_core: m.requests_per_core,
+            histograms: m
+                .histograms
+                .iter()
+                .map(|r| r.as_ref().map(Sparse::of))
+                .collect(),
+        }
+    }
+
+    /// Everything recorded since the registry was made, with each latency distribution
+    /// counted into the buckets `bounds_ns` (ascending upper bounds, in nanoseconds).
+    pub fn export(&self, bounds_ns: &[u64]) -> Export {
+        debug_assert!(bounds_ns.windows(2).all(|w| w[0] < w[1]));
+        let m = self.merge();
+        let mut latencies = Vec::new();
+        for (i, recorded) in m.histograms.iter().enumerate() {
+            let Some(r) = recorded else { continue };
+            let mut buckets = vec![0_u64; bounds_ns.len() + 1];
+            for v in r.histogram.iter_recorded() {
+                // The bottom of the sample's bucket: a sample exactly at a bound (round
+                // numbers are common) counts below it, as it should.
+                let low = r.histogram.lowest_equivalent(v.value_iterated_to());
+                let at = bounds_ns.partition_point(|&b| b < low);
+                buckets[at] += v.count_at_value();
+            }
+            latencies.push(LatencyBuckets {
+                op: self.op_names[i / STAGES],
+                stage: Stage::ALL[i % STAGES],
+                count: buckets.iter().sum(),
+                buckets,
+                sum_ns: r.sum_ns,
+            });
+        }
+        Export {
+            ops: self
+                .op_names
+                .iter()
+                .zip(&m.op_counts)
+                .filter(|&(_, &n)| n > 0)
+                .map(|(name, &n)| (*name, n))
+                .collect(),
+            requests_per_core: m.requests_per_core,
+            counters: self.counter_names.iter().copied().zip(m.counters).collect(),
+            latencies,
+        }
+    }
+
+    fn merge(&self) -> Merged {
+        let ops = self.op_names.len();
+        let mut op_counts = vec![0_u64; ops];
+        let mut requests_per_core = Vec::with_capacity(self.slots.len());
+        let mut counters = vec![0_u64; self.counter_names.len()];
+        let mut histograms: Vec<Option<Recorded>> = if self.histograms {
+            vec![None; ops * STAGES]
+        } else {
+            Vec::new()
+        };
+
+        for slot in self.slots.iter() {
+            let mut requests = 0_u64;
+            for (op, total) in op_counts.iter_mut().enumerate() {
+                let n = slot.ops.get(op);
+                *total = total.wrapping_add(n);
+                requests = requests.wrapping_add(n);
+            }
+            requests_per_core.push(requests);
+            for (counter, total) in counters.iter_mut().enumerate() {
+                *total = total.wrapping_add(slot.counters.get(counter));
+            }
+            if self.histograms {
+                merge_into(&mut histograms, &lock(&slot.histograms));
+            }
+        }
+        Merged {
+            op_counts,
+            requests_per_core,
+            counters,
+            histograms,
+        }
+    }
+}
+
+/// Every core summed.
+struct Merged {
+    op_counts: Vec<u64>,
+    requests_per_core: Vec<u64>,
+    counters: Vec<u64>,
+    histograms: Vec<Option<Recorded>>,
+}
+
+impl Merged {
+    /// Takes away what `base` held. Every cell and histogram only grows, so nothing goes
+    /// below zero; saturating all the same, for a baseline of another registry.
+    fn subtract(&mut self, base: &Baseline) {
+        let sub = |now: &mut [u64], then: &[u64]| {
+            for (n, t) in now.iter_mut().zip(then) {
+                *n = n.saturating_sub(*t);
+            }
+        };
+        sub(&mut self.op_counts, &base.ops);
+        sub(&mut self.counters, &base.counters);
+        sub(&mut self.requests_per_core, &base.requests_per_core);
+        let mut scratch: Option<Histogram<u64>> = None;
+        for (now, then) in self.histograms.iter_mut().zip(&base.histograms) {
+            let (Some(r), Some(then)) = (now.as_mut(), then) else {
+                continue;
+            };
+            let h = scratch.get_or_insert_with(|| Recorded::new().histogram);
+            h.reset();
+            for &(value, count) in &then.values {
+                h.saturating_record_n(value, count);
+            }
+            if r.histogram.subtract(&*h).is_err() {
+                // Not from this registry's past: report everything rather than nonsense.
+                continue;
+            }
+            r.saturated = r.saturated.saturating_sub(then.saturated);
+            r.sum_ns = r.sum_ns.saturating_sub(then.sum_ns);
+            if r.histogram.is_empty() {
+                *now = None;
+            }
+        }
+    }
+}
+
+impl Sparse {
+    fn of(r: &Recorded) -> Sparse {
+        Sparse {
+            values: r
+                .histogram
+                .iter_recorded()
+                .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                .collect(),
+            saturated: r.saturated,
+            sum_ns: r.sum_ns,
         }
     }
 }
@@ -328,9 +522,9 @@ impl CoreRecorder {
         if nanos > LATENCY_NS_MAX {
             recorded.saturated += 1;
         }
-        recorded
-            .histogram
-            .saturating_record(nanos.min(LATENCY_NS_MAX));
+        let nanos = nanos.min(LATENCY_NS_MAX);
+        recorded.sum_ns = recorded.sum_ns.saturating_add(nanos);
+        recorded.histogram.saturating_record(nanos);
     }
 
     fn slot(&self) -> &CoreSlot {
@@ -408,6 +602,7 @@ impl Recorded {
         Recorded {
             histogram,
             saturated: 0,
+            sum_ns: 0,
         }
     }
 }
@@ -429,6 +624,7 @@ fn merge_into(merged: &mut [Option<Recorded>], core: &CoreHistograms) {
                     .add(&from.histogram)
                     .expect("every histogram has the same fixed bounds, so addition fits");
                 into.saturated += from.saturated;
+                into.sum_ns = into.sum_ns.saturating_add(from.sum_ns);
             }
         }
     }
@@ -446,6 +642,8 @@ fn op_report(op: &str, count: u64, per_stage: &[Option<Recorded>]) -> OpReport {
     OpReport {
         op: op.to_owned(),
         count,
+        samples: total.map_or(0, |r| r.histogram.len()),
+        sum_us: total.map(|r| r.sum_ns as f64 / 1000.0),
         p50_us: quantile_us(0.5),
         p90_us: quantile_us(0.9),
         p99_us: quantile_us(0.99),

@@ -33,6 +33,14 @@ pub struct OpReport {
     pub op: String,
     /// Requests counted, whether or not histograms are on.
     pub count: u64,
+    /// Samples of the `Total` stage (0 with histograms off; requests without a reply,
+    /// such as FORGET, have none).
+    #[serde(default)]
+    pub samples: u64,
+    /// Sum of the `Total` samples, for a mean over an interval (difference of two sums
+    /// over the difference of two `samples`); `None` without `Total` samples.
+    #[serde(default)]
+    pub sum_us: Option<f64>,
     /// Median of the `Total` stage; `None` (JSON `null`) without `Total` samples.
     pub p50_us: Option<f64>,
     /// 90th percentile of the `Total` stage.

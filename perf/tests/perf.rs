@@ -342,3 +342,86 @@ fn snapshots_while_workers_record_see_monotonic_counts() {
     let report = registry.snapshot();
     assert_eq!(report.ops[0].count, recorded);
 }
+
+#[test]
+fn a_baseline_hides_what_came_before_it() {
+    let registry = registry(2, true);
+    record_on_threads(&registry, 2);
+    let base = registry.baseline();
+    let since = registry.snapshot_since(Some(&base));
+    assert!(
+        since.ops.is_empty(),
+        "nothing after the baseline: {since:?}"
+    );
+    assert_eq!(since.requests_per_core, [0, 0]);
+    assert!(since.counters.iter().all(|(_, n)| *n == 0));
+
+    // Then a few slow lookups on core 0: only those are reported, with their own latency.
+    let recorder = registry.core(0);
+    for _ in 0..5 {
+        recorder.count(LOOKUP);
+        recorder.record(LOOKUP, Stage::Total, 50_000_000);
+    }
+    recorder.add_counter(ETCD_TXNS, 2);
+    drop(recorder);
+    let since = registry.snapshot_since(Some(&base));
+    assert_eq!(since.ops.len(), 1);
+    let lookup = &since.ops[0];
+    assert_eq!(
+        (lookup.op.as_str(), lookup.count, lookup.samples),
+        ("lookup", 5, 5)
+    );
+    let p50 = lookup.p50_us.expect("histograms are on");
+    assert!((49_000.0..51_000.0).contains(&p50), "p50 {p50}");
+    let sum = lookup.sum_us.expect("histograms are on");
+    assert!((sum - 250_000.0).abs() < 1.0, "sum {sum}");
+    assert!(
+        lookup.stages.is_empty(),
+        "queue waits were all before the baseline"
+    );
+    assert_eq!(since.counters[ETCD_TXNS], ("etcd_txns".to_owned(), 2));
+    assert_eq!(since.requests_per_core, [5, 0]);
+
+    // The whole history is still there for whoever wants it.
+    let all = registry.snapshot();
+    assert_eq!(all.ops[0].count, 2005);
+}
+
+#[test]
+fn export_counts_samples_into_fixed_buckets() {
+    let registry = registry(2, true);
+    record_on_threads(&registry, 2);
+    // Lookups are 1..=1000 µs on each core, their queue waits 1..=1000 ns.
+    let export = registry.export(&[1_000, 500_000, 1_000_000]);
+    assert_eq!(
+        export.ops,
+        [("lookup", 2000), ("getattr", 20), ("write", 3)],
+        "registration order, unseen ops left out"
+    );
+    assert_eq!(export.counters, [("etcd_txns", 6), ("watch_events", 1)]);
+    let lookup = export
+        .latencies
+        .iter()
+        .find(|l| l.op == "lookup" && l.stage == Stage::Total)
+        .expect("lookup latencies");
+    // 1 µs a core up to the first bound, bounds included; up to 500 µs: 499 a core; the
+    // rest up to 1 ms; none above.
+    assert_eq!(lookup.buckets, [2, 998, 1000, 0]);
+    assert_eq!(lookup.count, 2000);
+    let exact: u64 = 2 * (1..=1000_u64).map(|i| i * 1000).sum::<u64>();
+    assert_eq!(lookup.sum_ns, exact);
+    let waits = export
+        .latencies
+        .iter()
+        .find(|l| l.op == "lookup" && l.stage == Stage::QueueWait)
+        .expect("queue waits");
+    assert_eq!(waits.buckets, [2000, 0, 0, 0]);
+    assert!(registry_without_histograms_exports_no_latency());
+}
+
+fn registry_without_histograms_exports_no_latency() -> bool {
+    let registry = registry(1, false);
+    registry.core(0).count(LOOKUP);
+    let export = registry.export(&[1_000]);
+    export.latencies.is_empty() && export.ops == [("lookup", 1)]
+}

@@ -562,10 +562,36 @@ impl Handler for EtcFs {
             "session_fenced_now".into(),
             u64::from(i.fenced.load(Ordering::Acquire)),
         ));
+        let fence_left = i.fence.left();
         c.push((
             "session_fence_left_ms".into(),
-            u64::try_from(i.fence.left().as_millis()).unwrap_or(u64::MAX),
+            u64::try_from(fence_left.as_millis()).unwrap_or(u64::MAX),
         ));
+        // The lease's earliest expiry as this node reckons it: the fence closes a margin
+        // before it (`meta::fence`), so while the fence is open the lease has that margin
+        // more; once it has closed, the node no longer counts on its lease.
+        let lease_left = if fence_left.is_zero() {
+            fence_left
+        } else {
+            let ttl = Duration::from_secs(u64::try_from(i.lease_ttl_s).unwrap_or(0));
+            fence_left + meta::fence::margin(ttl)
+        };
+        c.push((
+            "session_lease_left_ms".into(),
+            u64::try_from(lease_left.as_millis()).unwrap_or(u64::MAX),
+        ));
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let d = &i.dev_counters;
+        c.extend([
+            ("device_reads_waiter".into(), l(&d.reads)),
+            ("device_read_bytes_waiter".into(), l(&d.read_bytes)),
+            ("device_writes_waiter".into(), l(&d.writes)),
+            ("device_write_bytes_waiter".into(), l(&d.write_bytes)),
+            ("device_flushes".into(), l(&d.flushes)),
+            ("plocks_granted".into(), l(&i.plocks.granted)),
+            ("plocks_waited".into(), l(&i.plocks.waited)),
+            ("plocks_refused".into(), l(&i.plocks.refused)),
+        ]);
         let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
         c.push(("own_revisions_forgotten".into(), forgotten));
         c.push(("own_revisions_waited_out".into(), waited_out));

@@ -22,7 +22,7 @@
 //! generation of handles, without a remount.
 
 use super::*;
-use crate::data::device::{DevError, IoReq};
+use crate::data::device::{DevError, IoBuf, IoReq};
 use meta::{fence::Fence, types::SessionId};
 use std::cell::Cell;
 
@@ -70,6 +70,7 @@ pub(crate) struct FencedDev {
     inner: Box<dyn BlockDev>,
     fence: Arc<Fence>,
     session: SessionId,
+    counters: Arc<DevCounters>,
 }
 
 impl BlockDev for FencedDev {
@@ -85,10 +86,20 @@ impl BlockDev for FencedDev {
         if !self.fence.open_for(self.session) {
             return reqs.iter().map(|_| Err(DevError::Fenced)).collect();
         }
+        let c = &self.counters;
+        for r in reqs.iter() {
+            let (n, bytes) = match r.buf {
+                IoBuf::Read(_) => (&c.reads, &c.read_bytes),
+                IoBuf::Write(_) => (&c.writes, &c.write_bytes),
+            };
+            n.fetch_add(1, Ordering::Relaxed);
+            bytes.fetch_add(r.len as u64, Ordering::Relaxed);
+        }
         self.inner.submit_batch(reqs)
     }
 
     fn flush(&mut self) -> Result<(), DevError> {
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
         // A flush writes nothing of its own: what it makes durable was allowed.
         self.inner.flush()
     }
@@ -142,6 +153,7 @@ impl Inner {
             inner: self.dev.io(),
             fence: self.fence.clone(),
             session: self.op_session(),
+            counters: self.dev_counters.clone(),
         })
     }
 

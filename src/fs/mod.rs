@@ -522,6 +522,7 @@ pub(crate) struct Inner {
     next_fh: AtomicU64,
     stopping: AtomicBool,
     data_counters: DataCounters,
+    dev_counters: Arc<DevCounters>,
     plocks: plocks::Plocks,
     /// Used inodes as last counted, and when (statfs; [`INODE_COUNT_TTL`]).
     inode_count: Mutex<Option<(std::time::Instant, u64)>>,
@@ -550,6 +551,17 @@ struct DataCounters {
     /// Freed device ranges the freeing commit could not log as released records (a file
     /// too large for its map to be cached): a crash before their free-map write leaks them.
     frees_unlogged: AtomicU64,
+}
+
+/// The device I/O of the waiters and the daemon's own threads (what goes through
+/// [`Inner::io`]; the workers count theirs in the transport), for `etcfs stats`.
+#[derive(Default)]
+pub(crate) struct DevCounters {
+    pub(crate) reads: AtomicU64,
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) writes: AtomicU64,
+    pub(crate) write_bytes: AtomicU64,
+    pub(crate) flushes: AtomicU64,
 }
 
 /// One open directory: the names behind the cookies it handed out.
@@ -683,6 +695,7 @@ impl EtcFs {
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),
+            dev_counters: Arc::default(),
             plocks: plocks::Plocks::default(),
             inode_count: Mutex::new(None),
             counting: Mutex::new(()),

@@ -33,7 +33,7 @@
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         Condvar, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, Instant},
@@ -257,6 +257,11 @@ pub(crate) struct Plocks {
     /// of it): a lock or unlock is tried against this first, in one round trip, and its
     /// compare fails (answering the fresh set) only if the locks changed since.
     known: Mutex<HashMap<u64, (Vec<Held>, i64)>>,
+    /// Locks taken (not unlocks), SETLKW requests that had to wait for another holder,
+    /// and SETLK requests refused for one (EAGAIN), for `etcfs stats`.
+    pub(super) granted: AtomicU64,
+    pub(super) waited: AtomicU64,
+    pub(super) refused: AtomicU64,
 }
 
 impl Default for Plocks {
@@ -267,6 +272,9 @@ impl Default for Plocks {
             shards: (0..SHARDS).map(|_| Mutex::new(())).collect(),
             threads: AtomicUsize::new(0),
             known: Mutex::default(),
+            granted: AtomicU64::new(0),
+            waited: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
         }
     }
 }
@@ -712,20 +720,36 @@ impl Inner {
     }
 
     fn set(&self, ino: u64, owner: u64, want: &Want, wait: Option<u64>) -> Result<Done, Errno> {
+        let p = &self.plocks;
+        let granted = || {
+            if want.lock.is_some() {
+                p.granted.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(Done::Empty)
+        };
         let Some(unique) = wait.filter(|_| want.lock.is_some()) else {
             return match self.set_once(ino, owner, want)? {
-                Round::Done => Ok(Done::Empty),
-                Round::Conflict | Round::Busy => Err(Errno::EAGAIN),
+                Round::Done => granted(),
+                Round::Conflict | Round::Busy => {
+                    p.refused.fetch_add(1, Ordering::Relaxed);
+                    Err(Errno::EAGAIN)
+                }
             };
         };
         let w = self.plocks.register(unique, ino)?;
+        let mut waited = false;
         loop {
             let seen = w.changes();
             match self.set_once(ino, owner, want)? {
-                Round::Done => return Ok(Done::Empty),
+                Round::Done => return granted(),
                 // Others' changes won every compare: read again at once.
                 Round::Busy => w.interrupted()?,
-                Round::Conflict => w.wait(seen)?,
+                Round::Conflict => {
+                    if !std::mem::replace(&mut waited, true) {
+                        p.waited.fetch_add(1, Ordering::Relaxed);
+                    }
+                    w.wait(seen)?
+                }
             }
         }
     }

@@ -17,9 +17,9 @@ use uring::{AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, Waker};
 use crossbeam_channel::Sender;
 
 use super::{
-    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits,
-    settle_worker_thread, spawn, submit_early, IoProgress, SessionConfig, SessionError, Shared,
-    OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
+    collect_starts, count_device_io, count_reply, count_request, device_wait_plan, dispatch,
+    op_index, out_header, plan_fits, settle_worker_thread, spawn, submit_early, IoProgress,
+    SessionConfig, SessionError, Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
 };
 use crate::{
     mount::owned,
@@ -378,6 +378,7 @@ impl<'a> Worker<'a> {
             started,
         };
         self.recorder.count(p.op);
+        count_request(&self.recorder, &req);
         // Where a WRITE's data starts in the in buffer (address arithmetic, no access).
         let data_at = match req.op {
             Operation::Write { data, .. } => data.as_ptr() as usize - slot.inbuf.as_ptr() as usize,
@@ -499,6 +500,7 @@ impl<'a> Worker<'a> {
 
     /// Parks the slot until its device I/O completes, or answers at once if none was queued.
     fn await_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        progress.count(&self.recorder);
         if progress.in_flight() {
             self.slots[idx].state = SlotState::DeviceIo(p, progress);
         } else {
@@ -516,6 +518,7 @@ impl<'a> Worker<'a> {
         let devfd = self.devfd();
         let slot = &mut self.slots[idx];
         let len = if error == 0 { len } else { 0 };
+        count_reply(&self.recorder, p.op, error, len);
         slot.out[HEADER_AT..ARGS_AT].copy_from_slice(&out_header(p.unique, error, len));
         slot.state = SlotState::Replying;
         let sqe = opcode::Write::new(
@@ -533,6 +536,10 @@ impl<'a> Worker<'a> {
     /// Header into the slot's pipe, file range into the pipe, pipe into the device: three
     /// linked SQEs, so the data never passes through user memory.
     fn splice(&mut self, idx: usize, p: Pending, fd: RawFd, offset: u64, len: usize) {
+        // Counted as asked for, as the reads of a plan are: a short splice (EOF) or a
+        // failed one (answered EIO) is rare enough not to track through the chain.
+        count_device_io(&self.recorder, false, 1, len as u64);
+        count_reply(&self.recorder, p.op, 0, len);
         let devfd = self.devfd();
         let slot = &mut self.slots[idx];
         let Some((pr, pw)) = slot

@@ -71,12 +71,18 @@ pub enum TransportChoice {
 }
 
 /// Named counters the transport keeps in the session's `perf` registry, in this order.
-pub const COUNTERS: [&str; 5] = [
+pub const COUNTERS: [&str; 11] = [
     "ring_entries_passed",
     "ring_entries_returned",
     "ring_write_pieces_spread",
     "ring_linger_hits",
     "ring_linger_misses",
+    "fuse_read_bytes",
+    "fuse_write_bytes",
+    "device_read_bytes_worker",
+    "device_reads_worker",
+    "device_write_bytes_worker",
+    "device_writes_worker",
 ];
 /// Index in [`COUNTERS`]: ring entries a worker passed to a less busy one.
 pub(crate) const RING_ENTRIES_PASSED: usize = 0;
@@ -90,6 +96,45 @@ pub(crate) const RING_WRITE_PIECES_SPREAD: usize = 2;
 pub(crate) const RING_LINGER_HITS: usize = 3;
 /// Index in [`COUNTERS`]: lingers that ran out, after which the worker slept.
 pub(crate) const RING_LINGER_MISSES: usize = 4;
+/// Index in [`COUNTERS`]: data bytes of successful READ replies.
+const FUSE_READ_BYTES: usize = 5;
+/// Index in [`COUNTERS`]: data bytes of WRITE requests received.
+const FUSE_WRITE_BYTES: usize = 6;
+/// Index in [`COUNTERS`]: bytes the workers asked the device (or a reply's backing file)
+/// to read, and in how many reads; then the same for writes. The handler's own device I/O
+/// (on its threads) is its business and its counters.
+const DEVICE_READ_BYTES: usize = 7;
+const DEVICE_READS: usize = 8;
+const DEVICE_WRITE_BYTES: usize = 9;
+const DEVICE_WRITES: usize = 10;
+
+/// Counts the data of a request as it arrives: a WRITE's bytes.
+pub(crate) fn count_request(recorder: &perf::CoreRecorder, req: &Request<'_>) {
+    if let Operation::Write { data, .. } = req.op {
+        recorder.add_counter(FUSE_WRITE_BYTES, data.len() as u64);
+    }
+}
+
+/// Counts the data of a reply as it goes out: a successful READ's bytes.
+pub(crate) fn count_reply(recorder: &perf::CoreRecorder, op: usize, error: i32, len: usize) {
+    if error == 0 && op == Opcode::Read.index() {
+        recorder.add_counter(FUSE_READ_BYTES, len as u64);
+    }
+}
+
+/// Counts device transfers a worker queued: `ios` of `bytes` in all.
+pub(crate) fn count_device_io(recorder: &perf::CoreRecorder, write: bool, ios: u64, bytes: u64) {
+    if ios == 0 {
+        return;
+    }
+    let (n, b) = if write {
+        (DEVICE_WRITES, DEVICE_WRITE_BYTES)
+    } else {
+        (DEVICE_READS, DEVICE_READ_BYTES)
+    };
+    recorder.add_counter(n, ios);
+    recorder.add_counter(b, bytes);
+}
 
 /// Limits and placement of a session.
 #[derive(Debug, Clone)]
@@ -507,6 +552,8 @@ pub(crate) fn spawn(
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct IoProgress {
     outstanding: u32,
+    /// Segments queued in all (for the counters).
+    queued: u32,
     /// The first failure, as a negative errno (0: none).
     error: i32,
     got: usize,
@@ -550,6 +597,7 @@ impl IoProgress {
     fn new(written: Option<u32>) -> Self {
         IoProgress {
             outstanding: 0,
+            queued: 0,
             error: 0,
             got: 0,
             want: 0,
@@ -565,6 +613,7 @@ impl IoProgress {
     pub(crate) fn segment_queued(&mut self, len: usize, queued: bool) {
         if queued {
             self.outstanding += 1;
+            self.queued += 1;
             self.want += len;
         } else {
             self.error = -libc::EIO;
@@ -574,6 +623,17 @@ impl IoProgress {
     /// Whether any segment is still at the device.
     pub(crate) fn in_flight(&self) -> bool {
         self.outstanding > 0
+    }
+
+    /// Counts what was queued into the worker's counters; once per transfer, when all its
+    /// segments are queued.
+    pub(crate) fn count(&self, recorder: &perf::CoreRecorder) {
+        count_device_io(
+            recorder,
+            self.written.is_some(),
+            u64::from(self.queued),
+            self.want as u64,
+        );
     }
 
     /// What is at the device, for the wait policy.
@@ -845,6 +905,7 @@ fn sideband(shared: &Shared, core: usize) {
         };
         let op = op_index(req.header.opcode);
         recorder.count(op);
+        count_request(&recorder, &req);
         let t = recorder.timer();
         let (head, args) = out.split_at_mut(OUT_HEADER_LEN);
         let ctx = RequestCtx::new(core);
@@ -852,22 +913,36 @@ fn sideband(shared: &Shared, core: usize) {
         let (error, len) = match reply {
             Reply::None => continue,
             Reply::Deferred => (-libc::EIO, 0),
-            Reply::Read(plan) => match read_plan_blocking(&plan, args) {
-                Ok(n) => (0, n),
-                Err(e) => (-e, 0),
-            },
+            Reply::Read(plan) => {
+                let device: Vec<usize> = plan
+                    .segments
+                    .iter()
+                    .filter_map(|s| match *s {
+                        Segment::Device { len, .. } => Some(len),
+                        Segment::Zero { .. } => None,
+                    })
+                    .collect();
+                let bytes = device.iter().sum::<usize>() as u64;
+                count_device_io(&recorder, false, device.len() as u64, bytes);
+                match read_plan_blocking(&plan, args) {
+                    Ok(n) => (0, n),
+                    Err(e) => (-e, 0),
+                }
+            }
             Reply::Bytes(n) => (0, n),
             Reply::Error(e) => (-e.raw(), 0),
             // `dispatch` refuses write plans where the context cannot run them.
             Reply::Write(_) => (-libc::EIO, 0),
             Reply::Fd { fd, offset, len } => {
                 let len = len.min(args.len());
+                count_device_io(&recorder, false, 1, len as u64);
                 match pread_full(fd, &mut args[..len], offset) {
                     Ok(n) => (0, n),
                     Err(e) => (-e.raw_os_error().unwrap_or(libc::EIO), 0),
                 }
             }
         };
+        count_reply(&recorder, op, error, len);
         head.copy_from_slice(&out_header(req.header.unique, error, len));
         if let Err(e) = shared.mount.write_message(&out[..OUT_HEADER_LEN + len]) {
             if e.raw_os_error() == Some(libc::ENODEV) {

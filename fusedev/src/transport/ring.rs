@@ -22,7 +22,7 @@ use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, WaitPlan, 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
-    collect_starts, device_wait_plan, dispatch, op_index, out_header, plan_fits,
+    collect_starts, count_reply, device_wait_plan, dispatch, op_index, out_header, plan_fits,
     settle_worker_thread, spawn, submit_early, IoProgress, SessionConfig, Shared,
     REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED, RING_LINGER_HITS,
     RING_LINGER_MISSES, RING_WRITE_PIECES_SPREAD,
@@ -638,6 +638,10 @@ impl<'a> Worker<'a> {
         self.recorder.count(op);
         let arg0_len = in_len.saturating_sub(IN_HEADER_LEN + payload_sz).min(128);
         let is_write = opcode == crate::opcode::Opcode::Write as u32;
+        if is_write {
+            self.recorder
+                .add_counter(super::FUSE_WRITE_BYTES, payload_sz as u64);
+        }
         let piece = if is_write && payload_sz >= SPREAD_PIECE_MIN {
             self.large_writes_in_batch += 1;
             Piece::of(self.large_writes_in_batch)
@@ -813,6 +817,7 @@ impl<'a> Worker<'a> {
     /// Parks the entry until its device I/O completes, or answers at once if none was
     /// queued.
     fn await_io(&mut self, idx: usize, p: Pending, progress: IoProgress) {
+        progress.count(&self.recorder);
         if progress.in_flight() {
             self.entries[idx].state = EntryState::DeviceIo(p, progress);
         } else {
@@ -830,6 +835,7 @@ impl<'a> Worker<'a> {
     fn reply(&mut self, idx: usize, p: Pending, error: i32, len: usize) {
         let e = &mut self.entries[idx];
         let len = if error == 0 { len } else { 0 };
+        count_reply(&self.recorder, p.op, error, len);
         e.header[..16].copy_from_slice(&out_header(p.unique, error, len));
         let sz = u32::try_from(len).expect("payload below 4 GiB");
         e.header[ENT_OFFSET + 16..ENT_OFFSET + 20].copy_from_slice(&sz.to_ne_bytes());
