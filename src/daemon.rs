@@ -62,8 +62,14 @@ pub(crate) fn mkfs(args: MkfsArgs) -> Result<()> {
 }
 
 pub(crate) fn mount(args: MountArgs, inv: Invocation) -> Result<()> {
-    // main.rs turns every -o into flags before parsing (`mount_opts::expand_argv`).
-    debug_assert!(args.options.is_empty(), "-o left unexpanded");
+    // main.rs turns every -o into flags before parsing (`mount_opts::expand_argv`); one
+    // that got past it must not be dropped silently (a forgotten `ro`).
+    if !args.options.is_empty() {
+        bail!(
+            "-o {} was not taken as options; give it as `-o OPTS`",
+            args.options.join(",")
+        );
+    }
     // Checked before anything starts (a private etcd, a detached daemon), so a bad mount
     // point is the one error shown; the mount itself checks again.
     let mountpoint = mount::check_mountpoint(&args.mountpoint)?;

@@ -348,8 +348,15 @@ pub(crate) fn expand_argv(
             options.push(value_of(&mut rest)?);
         } else if let Some(v) = s.strip_prefix("--options=") {
             options.push(v.to_string());
-        } else if let Some(v) = s.strip_prefix("-o") {
-            options.push(v.to_string());
+        } else if let Some((flags, v)) = short_cluster_with_o(s) {
+            // `-oro`, or `-fo ro` / `-foro`: the flags before the `o` stay as they are.
+            if flags.len() > 1 {
+                kept.push(flags.into());
+            }
+            options.push(match v {
+                "" => value_of(&mut rest)?,
+                v => v.to_string(),
+            });
         } else if let Some(long) = s.strip_prefix("--").filter(|l| !l.contains('=')) {
             // A flag whose value is the next word: that word is never an option.
             let takes = find_flag(mount, long).is_some_and(|f| f.get_action().takes_values());
@@ -369,6 +376,17 @@ pub(crate) fn expand_argv(
     out.extend(t.args.into_iter().map(OsString::from));
     out.extend(kept.into_iter().skip(2));
     Ok(out)
+}
+
+/// A cluster of short flags holding `-o` (`-o...`, `-fo...`): the flags before the `o`
+/// (with their dash) and what follows it in the word (empty: the value is the next word).
+fn short_cluster_with_o(s: &str) -> Option<(&str, &str)> {
+    let body = s.strip_prefix('-').filter(|b| !b.starts_with('-'))?;
+    let at = body.find('o')?;
+    if !body[..at].chars().all(|c| c.is_ascii_alphabetic()) {
+        return None;
+    }
+    Some((&s[..at + 1], &body[at + 1..]))
 }
 
 /// The `etcfs mount` command line a helper invocation stands for (`argv[0]` is `etcfs`),
@@ -620,6 +638,15 @@ mod tests {
                 .contains("bogus")
         );
         assert!(expand_argv(os(&["etcfs", "mount", "/m", "-o"]), &cli).is_err());
+        // -o inside a cluster of short flags.
+        assert_eq!(
+            expand_argv(os(&["etcfs", "mount", "-fo", "ro", "/m"]), &cli).unwrap(),
+            os(&["etcfs", "mount", "--read-only", "-f", "/m"])
+        );
+        assert_eq!(
+            expand_argv(os(&["etcfs", "mount", "-fonoatime", "/m"]), &cli).unwrap(),
+            os(&["etcfs", "mount", "--noatime", "-f", "/m"])
+        );
         // The expansion parses as `etcfs mount` flags.
         let argv = expand_argv(
             os(&["etcfs", "mount", "--options=noatime,ro", "--memfs", "/m"]),

@@ -108,12 +108,18 @@ fn take_lock() -> Child {
     child
 }
 
+/// Whether `p` exists itself (a symlink to a missing file counts: an installed helper's
+/// target may be gone).
+fn present(p: &str) -> bool {
+    fs::symlink_metadata(p).is_ok()
+}
+
 fn install_helper() {
     let p = Path::new(HELPER_PATH);
     if fs::symlink_metadata(p).is_ok() {
         // An installed helper (or a test run's, killed before it put the original back,
         // which then waits in HELPER_SAVED already).
-        if Path::new(HELPER_SAVED).exists() {
+        if present(HELPER_SAVED) {
             fs::remove_file(p).expect("remove stale test helper");
         } else {
             fs::rename(p, HELPER_SAVED).expect("set the installed helper aside");
@@ -125,7 +131,7 @@ fn install_helper() {
 
 fn restore_helper() {
     let _ = fs::remove_file(HELPER_PATH);
-    if Path::new(HELPER_SAVED).exists() {
+    if present(HELPER_SAVED) {
         if let Err(e) = fs::rename(HELPER_SAVED, HELPER_PATH) {
             loud(&format!(
                 "could not put {HELPER_SAVED} back as {HELPER_PATH}: {e}"
