@@ -129,8 +129,8 @@ fn a_dead_owners_released_records_are_all_applied_when_its_group_is_taken() {
     assert_eq!(keys_of(&a, b"t/R", b"t/S"), 0, "every record folded");
     assert_eq!(
         a.statfs().bfree,
-        free0 - BLOCKS - 1,
-        "x's blocks but its first are free again, y's still used"
+        free0 - BLOCKS,
+        "x's blocks are free again, y's still used"
     );
 }
 
