@@ -293,6 +293,12 @@ pub(crate) const DESCS: &[Desc] = &[
         &[],
         "Reads retried after etcd did not answer.",
     ),
+    counter(
+        "free_map_writes_failed",
+        "etcfs_free_map_writes_failed",
+        &[],
+        "Free-map writes that deleted released records and failed (the node fences itself).",
+    ),
     gauge(
         "pipeline_pending",
         "etcfs_etcd_pipeline_mutations",
