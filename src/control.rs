@@ -80,7 +80,7 @@ pub(crate) type ReportFn = dyn Fn(Ask) -> String + Send + Sync;
 
 /// Serves stats requests until the process exits. Each request is one line (see [`Ask`]);
 /// the answer follows, then the connection closes.
-pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<PathBuf> {
+pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<Socket> {
     std::fs::create_dir_all(RUN_DIR).with_context(|| format!("create {RUN_DIR}"))?;
     let path = socket_path(mountpoint);
     // A socket left by a daemon that died is stale: nobody can be serving this mountpoint,
@@ -96,7 +96,31 @@ pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<PathBuf>
             }
         })
         .context("spawn control thread")?;
-    Ok(path)
+    let id = socket_id(&path).with_context(|| format!("stat {}", path.display()))?;
+    Ok(Socket { path, id })
+}
+
+/// The control socket a daemon serves, known by its inode: a daemon that stops removes
+/// the socket only while the name is still its own. A new daemon mounted at the same
+/// mountpoint as soon as the old one was unmounted has replaced it by then, and removing
+/// that one by name left `etcfs stats` unable to reach the new daemon (found restarting a
+/// mount in a benchmark loop).
+pub(crate) struct Socket {
+    path: PathBuf,
+    id: (u64, u64),
+}
+
+impl Socket {
+    /// Removes the socket if nobody replaced it.
+    pub(crate) fn remove(self) {
+        if socket_id(&self.path).ok() == Some(self.id) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn socket_id(path: &Path) -> std::io::Result<(u64, u64)> {
+    std::fs::symlink_metadata(path).map(|m| (m.dev(), m.ino()))
 }
 
 /// A listening socket at `path` that is mode 0600 before anyone can reach it by that name:
@@ -201,6 +225,27 @@ pub(crate) fn ask(mountpoint: &Path, ask: Ask) -> Result<(PathBuf, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stopping_daemon_leaves_its_successors_socket() {
+        if own_uid() != 0 {
+            eprintln!("skipped: /run/etcfs needs root");
+            return;
+        }
+        let mnt = PathBuf::from(format!(
+            "/nonexistent/etcfs-control-test-{}",
+            std::process::id()
+        ));
+        let report: Arc<ReportFn> = Arc::new(|_| String::new());
+        let old = serve(&mnt, report.clone()).unwrap();
+        // A new daemon at the same mountpoint binds before the old one has stopped.
+        let new = serve(&mnt, report).unwrap();
+        old.remove();
+        let path = socket_path(&mnt);
+        assert!(path.exists(), "the old daemon removed the new one's socket");
+        new.remove();
+        assert!(!path.exists());
+    }
 
     #[test]
     fn only_root_and_the_owner_are_allowed() {

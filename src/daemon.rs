@@ -248,7 +248,7 @@ fn serve(
         ));
     }
     session.wait();
-    let _ = std::fs::remove_file(socket);
+    socket.remove();
     if mnt.unmount().context("unmount")? {
         log::info!("unmounted {}", mnt.mountpoint().display());
     }

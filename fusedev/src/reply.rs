@@ -237,6 +237,11 @@ impl<'a> DirentWriter<'a> {
         true
     }
 
+    /// Bytes still free in the reply.
+    pub fn room(&self) -> usize {
+        self.limit - self.len
+    }
+
     /// Bytes written so far.
     pub fn len(&self) -> usize {
         self.len

@@ -308,6 +308,14 @@ pub struct InodeAttr {
     pub flags: u32,
 }
 
+/// `InodeAttr::flags` bit: the inode has no extended attribute besides the ACLs its
+/// [`crate::acl::FLAGS`] bits name, so a GETXATTR or LISTXATTR is answered without etcd.
+/// New inodes get it; their first setxattr clears it for good. Inodes made before the bit
+/// existed lack it and are asked of etcd.
+pub const FLAG_NO_XATTRS: u32 = 1 << 2;
+/// The flag bits meta keeps itself: a SetAttr's flags never change them.
+pub const FLAGS_META: u32 = crate::acl::FLAGS | FLAG_NO_XATTRS;
+
 impl InodeAttr {
     /// The full POSIX mode (type bits | permission bits).
     pub fn mode(&self) -> u32 {

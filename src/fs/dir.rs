@@ -3,6 +3,8 @@
 //! directory handle (bounded).
 
 use super::*;
+use meta::reader::{DirEntry, DirPage};
+use std::collections::VecDeque;
 
 impl Inner {
     pub(super) fn readdir(
@@ -50,106 +52,165 @@ impl Inner {
                 return Ok(Done::Bytes(buf));
             }
         }
-        let mut after: Option<Vec<u8>> = if offset <= 2 {
-            None
-        } else {
-            Some(self.cookie_name(ino, fh, offset)?)
+        let mut ahead = match self.take_lookahead(fh, offset) {
+            Some(a) => a,
+            None => Lookahead::start(
+                offset.max(2),
+                match offset {
+                    0..=2 => None,
+                    _ => Some(self.cookie_name(ino, fh, offset)?),
+                },
+            ),
         };
         let mut remembered = Vec::new();
-        'pages: loop {
-            let page = self
-                .meta
-                .list_dir(Ino(ino), after.clone(), DIR_PAGE_ENTRIES)
-                .and_then(|t| t.wait())
-                .map_err(|e| errno::meta(&e))?;
-            // READDIRPLUS: fetch every entry's attributes concurrently.
-            let attrs: Vec<Option<InodeAttr>> = if plus {
-                let tickets: Vec<_> = page
-                    .entries
-                    .iter()
-                    .map(|e| match self.caches.attr(e.entry.ino.0) {
-                        Some(a) => Err(a),
-                        None => Ok(self.meta.get_inode_at(e.entry.ino)),
-                    })
-                    .collect();
-                tickets
-                    .into_iter()
-                    .map(|t| match t {
-                        Err(a) => Some(a),
-                        Ok(t) => {
-                            let (a, rev) = t.ok().and_then(|t| t.wait().ok())?;
-                            let a = a?;
-                            self.caches.fill_attr(&a, rev.0);
-                            Some(a)
-                        }
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            // An open file's own state, with its blocks when its map is loaded; the rest
-            // summed from etcd, every file of the page at once.
-            let attrs: Vec<Option<(InodeAttr, Option<u64>)>> = attrs
-                .into_iter()
-                .map(|a| a.map(|a| self.files.cached_attr(a.ino.0).unwrap_or((a, None))))
-                .collect();
-            let local: Vec<Option<Option<u64>>> = attrs
-                .iter()
-                .map(|a| {
-                    a.as_ref()
-                        .map_or(Some(None), |(a, b)| self.blocks_local(a, *b))
-                })
-                .collect();
-            let unknown: Vec<&InodeAttr> = attrs
-                .iter()
-                .zip(&local)
-                .filter_map(|(a, l)| a.as_ref().filter(|_| l.is_none()).map(|(a, _)| a))
-                .collect();
-            let mut summed = self.files_blocks(&unknown).into_iter();
-            let mut blocks = Vec::with_capacity(attrs.len());
-            for l in local {
-                blocks.push(match l {
-                    Some(b) => b,
-                    None => summed.next().unwrap_or(Ok(None))?,
-                });
-            }
-            for (i, e) in page.entries.iter().enumerate() {
-                let typ = dirent_type(e.entry.kind.s_ifmt());
-                let fitted = if plus {
-                    if !w.fits_plus(e.name.len()) {
-                        break 'pages;
-                    }
-                    match attrs.get(i).and_then(Option::as_ref) {
-                        Some((a, _)) => {
-                            let b = blocks.get(i).copied().flatten();
-                            w.push_plus(
-                                &self.entry_out(a, b),
-                                e.entry.ino.0,
-                                e.cookie,
-                                typ,
-                                &e.name,
-                            )
-                        }
-                        // Removed since the page was read: skip it.
-                        None => true,
-                    }
-                } else {
-                    w.push(e.entry.ino.0, e.cookie, typ, &e.name)
-                };
-                if !fitted {
-                    break 'pages;
+        loop {
+            if ahead.entries.is_empty() {
+                if !ahead.more {
+                    break;
                 }
-                remembered.push((e.cookie, e.name.clone()));
+                let page = self
+                    .meta
+                    .list_dir(Ino(ino), ahead.last.clone(), ahead.page)
+                    .and_then(|t| t.wait())
+                    .map_err(|e| errno::meta(&e))?;
+                ahead.refill(page);
+                continue;
             }
-            if !page.more {
+            // Only the entries that fit get their attributes read.
+            let record_len = |n: usize| match plus {
+                true => reply::direntplus_len(n),
+                false => reply::dirent_len(n),
+            };
+            let mut room = w.room();
+            let fit = ahead
+                .entries
+                .iter()
+                .take_while(|e| {
+                    let fits = record_len(e.name.len()) <= room;
+                    room = room.saturating_sub(record_len(e.name.len()));
+                    fits
+                })
+                .count();
+            if fit == 0 {
                 break;
             }
-            after = page.entries.last().map(|e| e.name.clone());
+            let batch: Vec<DirEntry> = ahead.entries.drain(..fit).collect();
+            ahead.bytes -= batch.iter().map(|e| e.name.len()).sum::<usize>();
+            let out = if plus {
+                self.entries_plus(&batch)?
+            } else {
+                batch.iter().map(|_| None).collect()
+            };
+            for (e, a) in batch.iter().zip(out) {
+                let typ = dirent_type(e.entry.kind.s_ifmt());
+                let pushed = match (plus, a) {
+                    (false, _) => w.push(e.entry.ino.0, e.cookie, typ, &e.name),
+                    (true, Some(entry)) => {
+                        w.push_plus(&entry, e.entry.ino.0, e.cookie, typ, &e.name)
+                    }
+                    // Removed since the page was read: skipped.
+                    (true, None) => continue,
+                };
+                if !pushed {
+                    // Cannot happen (the batch was sized to fit). The kernel asks again at
+                    // the last cookie served, which is then looked up by name.
+                    self.remember_cookies(fh, remembered);
+                    let n = w.finish();
+                    buf.truncate(n);
+                    return Ok(Done::Bytes(buf));
+                }
+                ahead.resume = e.cookie;
+                remembered.push((e.cookie, e.name.clone()));
+            }
         }
         self.remember_cookies(fh, remembered);
+        self.keep_lookahead(fh, ahead);
         let n = w.finish();
         buf.truncate(n);
         Ok(Done::Bytes(buf))
+    }
+
+    /// READDIRPLUS records of `batch` (None: removed since its page was read), every
+    /// missing attribute and block count read from etcd concurrently.
+    fn entries_plus(&self, batch: &[DirEntry]) -> Result<Vec<Option<EntryOut>>, Errno> {
+        let tickets: Vec<_> = batch
+            .iter()
+            .map(|e| match self.caches.attr(e.entry.ino.0) {
+                Some(a) => Err(a),
+                None => Ok(self.meta.get_inode_at(e.entry.ino)),
+            })
+            .collect();
+        let attrs: Vec<Option<InodeAttr>> = tickets
+            .into_iter()
+            .map(|t| match t {
+                Err(a) => Some(a),
+                Ok(t) => {
+                    let (a, rev) = t.ok().and_then(|t| t.wait().ok())?;
+                    let a = a?;
+                    self.caches.fill_attr(&a, rev.0);
+                    Some(a)
+                }
+            })
+            .collect();
+        // An open file's own state, with its blocks when its map is loaded; the rest
+        // summed from etcd, every file of the batch at once.
+        let attrs: Vec<Option<(InodeAttr, Option<u64>)>> = attrs
+            .into_iter()
+            .map(|a| a.map(|a| self.files.cached_attr(a.ino.0).unwrap_or((a, None))))
+            .collect();
+        let local: Vec<Option<Option<u64>>> = attrs
+            .iter()
+            .map(|a| {
+                a.as_ref()
+                    .map_or(Some(None), |(a, b)| self.blocks_local(a, *b))
+            })
+            .collect();
+        let unknown: Vec<&InodeAttr> = attrs
+            .iter()
+            .zip(&local)
+            .filter_map(|(a, l)| a.as_ref().filter(|_| l.is_none()).map(|(a, _)| a))
+            .collect();
+        let mut summed = self.files_blocks(&unknown).into_iter();
+        let mut out = Vec::with_capacity(attrs.len());
+        for (a, l) in attrs.into_iter().zip(local) {
+            let blocks = match l {
+                Some(b) => b,
+                None => summed.next().unwrap_or(Ok(None))?,
+            };
+            out.push(a.map(|(a, _)| self.entry_out(&a, blocks)));
+        }
+        Ok(out)
+    }
+
+    /// The handle's lookahead if the kernel resumes where it left off (`offset` is the
+    /// last cookie served); a rewind or a seek drops it.
+    fn take_lookahead(&self, fh: u64, offset: u64) -> Option<Lookahead> {
+        let mut dirs = lock(&self.dirs);
+        let h = dirs.get_mut(&fh)?;
+        let a = h.ahead.take()?;
+        self.dir_ahead_bytes.fetch_sub(a.bytes, Ordering::Relaxed);
+        (a.resume == offset).then_some(a)
+    }
+
+    /// Keeps what was read ahead for the handle's next READDIR, within the budget.
+    fn keep_lookahead(&self, fh: u64, ahead: Lookahead) {
+        // Kept even when finished: the kernel's last READDIR, which finds the end, is
+        // then answered without etcd.
+        let total = self
+            .dir_ahead_bytes
+            .fetch_add(ahead.bytes, Ordering::Relaxed);
+        if total + ahead.bytes > DIR_AHEAD_BYTES_MAX {
+            self.dir_ahead_bytes
+                .fetch_sub(ahead.bytes, Ordering::Relaxed);
+            return;
+        }
+        match lock(&self.dirs).get_mut(&fh) {
+            Some(h) => h.ahead = Some(ahead),
+            None => {
+                self.dir_ahead_bytes
+                    .fetch_sub(ahead.bytes, Ordering::Relaxed);
+            }
+        }
     }
 
     pub(super) fn remember_cookies(&self, fh: u64, names: Vec<(u64, Vec<u8>)>) {
@@ -191,6 +252,49 @@ impl Inner {
     }
 
     pub(super) fn release_dir(&self, fh: u64) {
-        lock(&self.dirs).remove(&fh);
+        if let Some(a) = lock(&self.dirs).remove(&fh).and_then(|h| h.ahead) {
+            self.dir_ahead_bytes.fetch_sub(a.bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A listing's position and the entries of its last etcd page not yet served: the next
+/// READDIR that resumes at `resume` is answered from them, or from the page after `last`,
+/// so a listing reads each entry from etcd once.
+pub(super) struct Lookahead {
+    /// The cookie the kernel passes to continue after what was served.
+    resume: u64,
+    entries: VecDeque<DirEntry>,
+    /// etcd may hold entries after `last`.
+    more: bool,
+    /// The name the next page starts after (`None`: the directory's first).
+    last: Option<Vec<u8>>,
+    /// Entries of the next page read.
+    page: usize,
+    /// Bytes of the names in `entries`.
+    bytes: usize,
+}
+
+impl Lookahead {
+    fn start(resume: u64, after: Option<Vec<u8>>) -> Self {
+        Lookahead {
+            resume,
+            entries: VecDeque::new(),
+            more: true,
+            last: after,
+            page: DIR_PAGE_ENTRIES,
+            bytes: 0,
+        }
+    }
+
+    fn refill(&mut self, page: DirPage) {
+        // An empty page ends the listing even if etcd claims more (never loop on it).
+        self.more = page.more && !page.entries.is_empty();
+        if let Some(e) = page.entries.last() {
+            self.last = Some(e.name.clone());
+        }
+        self.bytes += page.entries.iter().map(|e| e.name.len()).sum::<usize>();
+        self.entries.extend(page.entries);
+        self.page = (self.page * 4).min(DIR_PAGE_ENTRIES_MAX);
     }
 }

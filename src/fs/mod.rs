@@ -75,7 +75,7 @@ use std::{
     os::fd::{AsRawFd, RawFd},
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
     },
     time::{Duration, SystemTime},
@@ -136,8 +136,16 @@ const DIR_HANDLES_MAX: usize = 65536;
 /// Cookie → name entries one directory handle remembers; past it the oldest half is
 /// dropped (an unknown cookie is then found by scanning the directory).
 const DIR_COOKIES_MAX: usize = 4096;
-/// Entries read per readdir page from etcd.
+/// Entries of the first page a listing reads from etcd: a small directory, or the first
+/// screen of a large one, costs one short read.
 const DIR_PAGE_ENTRIES: usize = 256;
+/// Entries of the later pages of a listing. etcd walks every key left in the range to
+/// count it on each page, so the number of pages, not only their size, makes a listing's
+/// cost: 100,000 entries take 25 of these.
+const DIR_PAGE_ENTRIES_MAX: usize = 4096;
+/// Bytes of names all open directories may hold read ahead of the kernel; past it a
+/// listing reads a page per READDIR (correct, slower).
+const DIR_AHEAD_BYTES_MAX: usize = 64 << 20;
 /// Entries scanned to find the name of an unknown readdir cookie.
 const DIR_SCAN_MAX: usize = 1 << 20;
 /// xattr names listed at most (E2BIG past it).
@@ -519,6 +527,9 @@ pub(crate) struct Inner {
     /// This node's open records (files open anywhere stay whole: `held.rs`).
     held: held::Held,
     dirs: Mutex<HashMap<u64, DirHandle>>,
+    /// Bytes of names held in every handle's [`dir::Lookahead`] (bounded by
+    /// `DIR_AHEAD_BYTES_MAX`).
+    dir_ahead_bytes: AtomicUsize,
     next_fh: AtomicU64,
     stopping: AtomicBool,
     data_counters: DataCounters,
@@ -564,10 +575,12 @@ pub(crate) struct DevCounters {
     pub(crate) flushes: AtomicU64,
 }
 
-/// One open directory: the names behind the cookies it handed out.
+/// One open directory: the names behind the cookies it handed out, and what it read
+/// from etcd ahead of the kernel.
 #[derive(Default)]
 struct DirHandle {
     names: HashMap<u64, Vec<u8>>,
+    ahead: Option<dir::Lookahead>,
 }
 
 /// The permission bits after a write, truncate or chown by someone without CAP_FSETID
@@ -692,6 +705,7 @@ impl EtcFs {
             locks: locks::LockTable::new(cache_locks, fence, opts.lock_min_hold),
             held: held::Held::default(),
             dirs: Mutex::new(HashMap::new()),
+            dir_ahead_bytes: AtomicUsize::new(0),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),

@@ -8,7 +8,7 @@
 //! permission check of every inode a non-owner touches) is answered without etcd.
 
 use super::*;
-use meta::acl;
+use meta::{acl, codec::FLAG_NO_XATTRS};
 
 /// Which ACL an xattr name is: `Some(true)` the default ACL, `Some(false)` the access ACL.
 pub(super) fn acl_name(name: &[u8]) -> Option<bool> {
@@ -20,22 +20,42 @@ pub(super) fn acl_name(name: &[u8]) -> Option<bool> {
 }
 
 impl Inner {
-    /// GETXATTR of an ACL the cached attributes say the inode lacks: ENODATA, on the core.
-    pub(super) fn acl_absent(&self, ino: u64, name: &[u8]) -> bool {
-        let Some(default) = acl_name(name) else {
-            return false;
-        };
-        let flag = if default {
-            acl::FLAG_DEFAULT
-        } else {
-            acl::FLAG_ACCESS
-        };
-        let attr = match self.files.try_open_attr(ino) {
+    /// The inode's cached attributes, if this node holds them without waiting.
+    fn attr_at_hand(&self, ino: u64) -> Option<InodeAttr> {
+        match self.files.try_open_attr(ino) {
             files::OpenAttr::Attr(a, _) => Some(a),
             files::OpenAttr::Busy => None,
             files::OpenAttr::NotOpen => self.caches.attr(ino),
+        }
+    }
+
+    /// GETXATTR of an attribute the cached attributes say the inode lacks (an ACL its ACL
+    /// bits do not name, or any other name of an inode that never had one): ENODATA, on
+    /// the core. `ls -l` asks every file for its ACL and its security label.
+    pub(super) fn xattr_absent(&self, ino: u64, name: &[u8]) -> bool {
+        let Some(attr) = self.attr_at_hand(ino) else {
+            return false;
         };
-        attr.is_some_and(|a| a.flags & flag == 0)
+        match acl_name(name) {
+            Some(default) => {
+                let flag = if default {
+                    acl::FLAG_DEFAULT
+                } else {
+                    acl::FLAG_ACCESS
+                };
+                attr.flags & flag == 0
+            }
+            // A malformed name gets its own error from `getxattr`.
+            None => {
+                attr.flags & FLAG_NO_XATTRS != 0 && fusedev::names::check_xattr_name(name).is_ok()
+            }
+        }
+    }
+
+    /// LISTXATTR of an inode the cached attributes say has no attribute at all.
+    pub(super) fn xattrs_none(&self, ino: u64) -> bool {
+        self.attr_at_hand(ino)
+            .is_some_and(|a| a.flags & FLAG_NO_XATTRS != 0 && a.flags & acl::FLAGS == 0)
     }
 
     /// setxattr/removexattr of an ACL (the caller holds a regular file's lock exclusively:
@@ -135,7 +155,7 @@ impl Inner {
         fusedev::names::check_xattr_name(name)?;
         if let Some(default) = acl_name(name) {
             // ext4 answers 0 to removing an ACL that is not there (the ACL is the mode).
-            if self.acl_absent(ino, name) {
+            if self.xattr_absent(ino, name) {
                 return Ok(Done::Empty);
             }
             return self.set_acl(h, ino, default, None);

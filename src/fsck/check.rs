@@ -15,9 +15,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use meta::{
+    acl,
     codec::{
         Dentry, DirParent, Extent as MetaExtent, InoCounter, InodeAttr, Owner, Record as _,
-        Released,
+        Released, FLAG_NO_XATTRS,
     },
     keys::{KeyKind, Keyspace},
     kv::KeyValue,
@@ -95,6 +96,9 @@ pub(crate) enum Class {
     InodeCounter,
     /// A free map that does not decode or belongs to no group.
     BadFreeMap,
+    /// An xattr its inode's flags deny (the no-xattrs bit, or a missing ACL bit): nodes
+    /// answer from the flags that it is not there, and the kernel skips the ACL.
+    XattrFlags,
 }
 
 impl Class {
@@ -159,6 +163,8 @@ pub(crate) enum Fix {
     RebuildMap { group: u32 },
     /// Rewrite a damaged device superblock copy from the good one.
     RewriteSuperblock { backup: bool },
+    /// Set and clear inode flag bits (so they admit the xattrs the inode has).
+    InodeFlags { ino: Ino, set: u32, clear: u32 },
 }
 
 /// Flags of an [`Ent`].
@@ -183,6 +189,12 @@ mod flag {
     pub(super) const CORRUPT: u16 = 1 << 8;
     /// The repair gives it a name in lost+found.
     pub(super) const RECONNECT: u16 = 1 << 9;
+    /// The inode claims to have no xattrs but its ACLs (`codec::FLAG_NO_XATTRS`).
+    pub(super) const NO_XATTRS: u16 = 1 << 10;
+    /// The inode's access ACL bit (`acl::FLAG_ACCESS`).
+    pub(super) const ACL_ACCESS: u16 = 1 << 11;
+    /// The inode's default ACL bit (`acl::FLAG_DEFAULT`).
+    pub(super) const ACL_DEFAULT: u16 = 1 << 12;
 }
 
 /// What is kept per inode: 32 bytes (the memory per million files is 32 MB of these).
@@ -519,6 +531,15 @@ impl Checker {
             Ok(a) if a.ino == ino => {
                 ent.kind = a.kind.code();
                 ent.nlink = a.nlink;
+                for (bit, f) in [
+                    (FLAG_NO_XATTRS, flag::NO_XATTRS),
+                    (acl::FLAG_ACCESS, flag::ACL_ACCESS),
+                    (acl::FLAG_DEFAULT, flag::ACL_DEFAULT),
+                ] {
+                    if a.flags & bit != 0 {
+                        ent.flags |= f;
+                    }
+                }
                 match a.kind {
                     FileType::Directory => self.counts.directories += 1,
                     FileType::Regular => self.counts.regular_files += 1,
@@ -673,13 +694,52 @@ impl Checker {
     }
 
     pub(crate) fn xattr(&mut self, kv: &KeyValue) {
-        let Some(KeyKind::Xattr(ino, _)) = self.keys.parse(&kv.key) else {
+        let Some(KeyKind::Xattr(ino, name)) = self.keys.parse(&kv.key) else {
             return self.corrupt(kv, "not an xattr key");
         };
         self.counts.xattrs += 1;
-        if self.ent(ino.0).is_none() {
-            self.stray(kv, "xattr of a missing inode");
+        let Some(e) = self.ent(ino.0) else {
+            return self.stray(kv, "xattr of a missing inode");
+        };
+        let (set, clear, why) = match name.as_slice() {
+            acl::ACCESS_NAME if !e.has(flag::ACL_ACCESS) => (
+                acl::FLAG_ACCESS,
+                0,
+                "an access ACL its inode's flags do not name",
+            ),
+            acl::DEFAULT_NAME if !e.has(flag::ACL_DEFAULT) => (
+                acl::FLAG_DEFAULT,
+                0,
+                "a default ACL its inode's flags do not name",
+            ),
+            acl::ACCESS_NAME | acl::DEFAULT_NAME => return,
+            _ if e.has(flag::NO_XATTRS) => (
+                0,
+                FLAG_NO_XATTRS,
+                "an xattr of an inode whose flags say it has none",
+            ),
+            _ => return,
+        };
+        // An inode's xattrs are contiguous keys: one finding and fix per inode, its fix
+        // grown as they come.
+        if let Some(Fix::InodeFlags {
+            ino: i,
+            set: s,
+            clear: c,
+        }) = self.plan.last_mut()
+        {
+            if *i == ino {
+                *s |= set;
+                *c |= clear;
+                return;
+            }
         }
+        let msg = format!("{}: {why}", self.keys.describe(&kv.key));
+        self.report(
+            Class::XattrFlags,
+            msg,
+            Some(Fix::InodeFlags { ino, set, clear }),
+        );
     }
 
     pub(crate) fn orphan(&mut self, kv: &KeyValue) {
@@ -1518,6 +1578,9 @@ pub(crate) fn describe_fix(f: &Fix) -> String {
         }
         Fix::Reconnect { ino, .. } => format!("link it into /lost+found as #{ino}"),
         Fix::SetNlink { nlink, .. } => format!("set the link count to {nlink}"),
+        Fix::InodeFlags { ino, .. } => {
+            format!("make inode {ino}'s flags admit the xattrs it has")
+        }
         Fix::RaiseCounter { next } => format!("raise the inode counter to {next}"),
         Fix::RebuildMap { group } => {
             format!(

@@ -31,7 +31,10 @@ fn stage(f: &Fix) -> u8 {
         Fix::RemoveInode { .. } => 4,
         Fix::Reconnect { .. } => 5,
         Fix::SetNlink { .. } => 6,
-        Fix::RebuildMap { .. } => 7,
+        // After the link counts, which also rewrite inodes: this one compares only what it
+        // read, not the scan's revision.
+        Fix::InodeFlags { .. } => 7,
+        Fix::RebuildMap { .. } => 8,
     }
 }
 
@@ -268,6 +271,21 @@ impl Ctx<'_> {
                 ];
                 self.commit(
                     &format!("setting the link count of inode {ino}"),
+                    compares,
+                    vec![TxnOp::put(key, a.encode())],
+                )
+                .await
+            }
+            Fix::InodeFlags { ino, set, clear } => {
+                let key = keys.inode(*ino);
+                let Some(kv) = self.get(&key).await? else {
+                    return Err(Stop::Changed(format!("inode {ino} is gone")));
+                };
+                let mut a = InodeAttr::decode(&kv.value).map_err(|e| Stop::Error(e.to_string()))?;
+                a.flags = (a.flags | set) & !clear;
+                let compares = vec![Compare::mod_rev(key.clone(), kv.mod_revision)];
+                self.commit(
+                    &format!("setting the xattr flags of inode {ino}"),
                     compares,
                     vec![TxnOp::put(key, a.encode())],
                 )

@@ -647,3 +647,34 @@ fn a_large_range_is_read_whole_when_split() {
     assert!(seen.windows(2).all(|p| p[0] < p[1]), "in key order");
     ck.finish();
 }
+
+#[test]
+fn xattrs_their_inode_flags_deny_are_found_and_the_flags_fixed() {
+    let (w, p) = World::populated();
+    // f has user.a: a no-xattrs claim on it hides it; h gets an access ACL with no bit,
+    // and a link count off too (two rewrites of one inode in one repair).
+    let mut f = w.get_attr(p.f);
+    f.flags |= meta::codec::FLAG_NO_XATTRS;
+    w.put(&w.keys.inode(p.f), &f.encode());
+    w.put(
+        &w.keys.xattr(p.h, meta::acl::ACCESS_NAME),
+        &meta::codec::XattrValue(b"acl".to_vec()).encode(),
+    );
+    w.put(
+        &w.keys.xattr(p.h, b"user.b"),
+        &meta::codec::XattrValue(b"2".to_vec()).encode(),
+    );
+    let mut h = w.get_attr(p.h);
+    h.flags |= meta::codec::FLAG_NO_XATTRS;
+    w.put(&w.keys.inode(p.h), &h.encode());
+    w.set_nlink(p.h, 5);
+    let c = classes(&w.check());
+    // One finding per inode.
+    assert_eq!(c.get(&Class::XattrFlags), Some(&2), "{c:?}");
+    repair_then_clean(&w);
+    assert_eq!(w.get_attr(p.f).flags & meta::codec::FLAG_NO_XATTRS, 0);
+    let h = w.get_attr(p.h);
+    assert_eq!(h.flags & meta::codec::FLAG_NO_XATTRS, 0);
+    assert_ne!(h.flags & meta::acl::FLAG_ACCESS, 0);
+    assert_eq!(h.nlink, 1);
+}

@@ -15,7 +15,7 @@ use crate::{
     acl,
     codec::{
         decode_at, Dentry, DirParent, Extent, InoCounter, InodeAttr, Owner, Record, Released,
-        SymlinkTarget, XattrValue,
+        SymlinkTarget, XattrValue, FLAGS_META, FLAG_NO_XATTRS,
     },
     error::MetaError,
     keys::Keyspace,
@@ -657,7 +657,7 @@ fn plan_create(
         Some(inherit) => inherit_acls(p, parent, new, inherit)?,
         None => (new.perm, Inherited::default()),
     };
-    let mut flags = new.flags & !acl::FLAGS;
+    let mut flags = (new.flags & !FLAGS_META) | FLAG_NO_XATTRS;
     if acls.access.is_some() {
         flags |= acl::FLAG_ACCESS;
     }
@@ -1202,7 +1202,7 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
     }
     if let Some(flags) = set.flags {
         // The ACL bits belong to the ACLs (SetAcl); flags never move them.
-        a.flags = (flags & !acl::FLAGS) | (a.flags & acl::FLAGS);
+        a.flags = (flags & !FLAGS_META) | (a.flags & FLAGS_META);
     }
     if let Some(t) = set.atime {
         let t = time(t, now)?;
@@ -1302,8 +1302,21 @@ fn plan_setxattr(
         }
         None => p.delete(key),
     }
-    p.plan.touch.push((ino, false));
     p.plan.outcome.ino = Some(ino);
+    if value.is_some() {
+        // The inode stops claiming it has none: its record changes with the xattr, under
+        // a compare, since nodes answer from the flag without etcd.
+        let (mut a, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+        if a.flags & FLAG_NO_XATTRS != 0 {
+            p.compare(Compare::mod_rev(k.inode(ino), rev));
+            a.flags &= !FLAG_NO_XATTRS;
+            a.ctime = p.ctx.now;
+            p.put(k.inode(ino), &a);
+            p.plan.outcome.attr = Some(a);
+            return Ok(());
+        }
+    }
+    p.plan.touch.push((ino, false));
     Ok(())
 }
 

@@ -686,6 +686,64 @@ async fn setattr_and_truncate() {
 }
 
 #[tokio::test]
+async fn a_new_inode_claims_no_xattrs_until_its_first_is_set() {
+    use crate::codec::FLAG_NO_XATTRS;
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let before = w.inode(f).await.unwrap();
+    assert_ne!(
+        before.flags & FLAG_NO_XATTRS,
+        0,
+        "a new inode has no xattrs"
+    );
+    // A SetAttr's flags can neither clear nor forge the bit.
+    w.run(Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            flags: Some(0),
+            ..Default::default()
+        },
+    })
+    .await
+    .unwrap();
+    assert_ne!(w.inode(f).await.unwrap().flags & FLAG_NO_XATTRS, 0);
+    let set = Mutation::SetXattr {
+        ino: f,
+        name: b"security.label".to_vec(),
+        value: b"x".to_vec(),
+        mode: XattrMode::Any,
+    };
+    // Planned against the inode as it was, then the inode changes: the compare catches it.
+    let (stale, _) = w.plan(&set, &mut Snapshot::default()).await;
+    w.run(Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            perm: Some(0o600),
+            ..Default::default()
+        },
+    })
+    .await
+    .unwrap();
+    assert!(w.apply(&stale.unwrap()).await.is_err());
+    let o = w.run(set).await.unwrap();
+    let after = w.inode(f).await.unwrap();
+    assert_eq!(
+        after.flags & FLAG_NO_XATTRS,
+        0,
+        "the bit goes with the first xattr"
+    );
+    assert_eq!(o.attr.map(|a| a.flags), Some(after.flags));
+    // Removing it does not bring the claim back (it is never re-derived).
+    w.run(Mutation::RemoveXattr {
+        ino: f,
+        name: b"security.label".to_vec(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(w.inode(f).await.unwrap().flags & FLAG_NO_XATTRS, 0);
+}
+
+#[tokio::test]
 async fn xattr_create_replace_remove() {
     let mut w = World::new().await;
     let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
@@ -1237,7 +1295,7 @@ mod acls {
         );
         let o = w.apply(&p.unwrap()).await.unwrap();
         let a = o.attr.unwrap();
-        assert_eq!((a.perm, a.flags), (0o644, 0));
+        assert_eq!((a.perm, a.flags & acl::FLAGS), (0o644, 0));
         assert_eq!(xattr(&w, a.ino, acl::ACCESS_NAME).await, None);
     }
 
@@ -1245,7 +1303,7 @@ mod acls {
     async fn a_default_acl_is_inherited_without_the_umask() {
         let mut w = World::new().await;
         let o = set(&mut w, Ino::ROOT, true, Some(default_acl())).await;
-        assert_eq!(o.attr.unwrap().flags, acl::FLAG_DEFAULT);
+        assert_eq!(o.attr.unwrap().flags & acl::FLAGS, acl::FLAG_DEFAULT);
         // A file: access ACL only, masked by the mode asked for; the umask ignored.
         let f = w
             .run(created(FileType::Regular, 0o666, 0o077, true))
@@ -1254,7 +1312,7 @@ mod acls {
             .attr
             .unwrap();
         assert_eq!(f.perm, 0o664);
-        assert_eq!(f.flags, acl::FLAG_ACCESS);
+        assert_eq!(f.flags & acl::FLAGS, acl::FLAG_ACCESS);
         let access = Acl::decode(&xattr(&w, f.ino, acl::ACCESS_NAME).await.unwrap())
             .unwrap()
             .unwrap();
@@ -1268,7 +1326,7 @@ mod acls {
             .attr
             .unwrap();
         assert_eq!(d.perm, 0o775);
-        assert_eq!(d.flags, acl::FLAGS);
+        assert_eq!(d.flags & acl::FLAGS, acl::FLAGS);
         assert_eq!(
             xattr(&w, d.ino, acl::DEFAULT_NAME).await,
             Some(default_acl())
@@ -1280,7 +1338,7 @@ mod acls {
             .unwrap()
             .attr
             .unwrap();
-        assert_eq!((s.perm, s.flags), (0o777, 0));
+        assert_eq!((s.perm, s.flags & acl::FLAGS), (0o777, 0));
     }
 
     #[tokio::test]
@@ -1301,7 +1359,7 @@ mod acls {
         snap.insert(&RangeRequest::key(key), r);
         let (p, _) = w.plan(&m, &mut snap).await;
         let a = w.apply(&p.unwrap()).await.unwrap().attr.unwrap();
-        assert_eq!((a.perm, a.flags), (0o664, acl::FLAG_ACCESS));
+        assert_eq!((a.perm, a.flags & acl::FLAGS), (0o664, acl::FLAG_ACCESS));
     }
 
     #[tokio::test]
@@ -1310,7 +1368,7 @@ mod acls {
         let ino = w.create(Ino::ROOT, "f", FileType::Regular).await;
         let o = set(&mut w, ino, false, Some(default_acl())).await;
         let a = o.attr.unwrap();
-        assert_eq!((a.perm, a.flags), (0o775, acl::FLAG_ACCESS));
+        assert_eq!((a.perm, a.flags & acl::FLAGS), (0o775, acl::FLAG_ACCESS));
         // chmod 640 rewrites owner, mask and other in the same transaction.
         w.run(Mutation::SetAttr {
             ino,
@@ -1349,7 +1407,7 @@ mod acls {
             .await
             .attr
             .unwrap();
-        assert_eq!((a.perm, a.flags), (0o600, 0));
+        assert_eq!((a.perm, a.flags & acl::FLAGS), (0o600, 0));
         assert_eq!(xattr(&w, ino, acl::ACCESS_NAME).await, None);
         // Malformed values and default ACLs on files change nothing.
         let bad = w

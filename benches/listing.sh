@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Big directories (issue 17): `ls -f`, `ls -l` and `find -ls` of directories of N empty
+# files on etcfs and on ext4, side by side in one run, cold and warm; medians of --rounds.
+#
+#   benches/listing.sh [--sizes "5000 20000 100000"] [--rounds 3] [--etcfs PATH]
+#
+# etcfs: a private one-member etcd and a 1 GiB device image, one node. ext4: a 1 GiB
+# image on the same disk, loop-mounted. "cold": the page, dentry and inode caches
+# dropped and (etcfs) the daemon restarted at the same mountpoint, so its own caches are
+# empty too; "warm": the same command again at once. Also printed: the FUSE requests one
+# warm `ls -l` sends to the daemon, by operation (from `etcfs stats --json`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. benches/lib.sh
+
+sizes="5000 20000 100000" rounds=3 etcfs=target/release/etcfs
+while [ $# -gt 0 ]; do
+	case "$1" in
+	--sizes) sizes="$2"; shift 2 ;;
+	--rounds) rounds="$2"; shift 2 ;;
+	--etcfs) etcfs="$2"; shift 2 ;;
+	*) echo "usage: $0 [--sizes \"N...\"] [--rounds R] [--etcfs PATH]" >&2; exit 2 ;;
+	esac
+done
+[ -x "$etcfs" ] || cargo build --release -p etcfs
+[ "$(id -u)" = 0 ] || { echo "$0: needs root (FUSE and loop mounts)" >&2; exit 2; }
+
+work=$(mktemp -d /var/tmp/listing-bench.XXXXXX)
+port=$((32000 + RANDOM % 10000))
+ep=http://127.0.0.1:$port
+ETCD_PID="" pids=() loopdev=""
+mnt=$work/etcfs ext=$work/ext4
+cleanup() {
+	umount "$mnt" 2>/dev/null || true
+	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	umount "$ext" 2>/dev/null || true
+	[ -z "$loopdev" ] || losetup -d "$loopdev" 2>/dev/null || true
+	if [ -n "$ETCD_PID" ]; then kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true; fi
+	rm -rf "$work"
+}
+trap cleanup EXIT
+
+start_etcd listing "$work" "$port"
+truncate -s 1G "$work/dev.img"
+"$etcfs" mkfs --etcd "$ep" --device "$work/dev.img" --prefix lb >/dev/null
+mount_node() { mount_etcfs "$etcfs" "$ep" "$work/dev.img" lb "$mnt" "$work/etcfs.log"; }
+# Stops the daemon started last (by its pid) after unmounting.
+unmount_node() {
+	umount "$mnt"
+	local p=${pids[-1]}
+	wait "$p" 2>/dev/null || true
+	unset 'pids[-1]'
+}
+mount_node
+truncate -s 1G "$work/ext4.img"
+mkfs.ext4 -q -F "$work/ext4.img"
+loopdev=$(losetup --find --show "$work/ext4.img")
+mkdir -p "$ext"
+mount "$loopdev" "$ext"
+
+median() { sort -n | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
+# seconds CMD...: wall time of one run, output discarded.
+seconds() {
+	local t0
+	t0=$(date +%s.%N)
+	"$@" >/dev/null
+	echo "$(date +%s.%N) - $t0" | bc
+}
+# list CMD DIR: `find` is `find DIR -ls` (stat and ACL/label of every entry, as ls -l).
+list() {
+	case "$1" in
+	find) find "$2" -ls ;;
+	*) $1 "$2" ;;
+	esac
+}
+drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+cold_etcfs() { unmount_node; mount_node; drop; }
+cold_ext4() { umount "$ext"; mount "$loopdev" "$ext"; drop; }
+
+for n in $sizes; do
+	for root in "$mnt" "$ext"; do
+		mkdir "$root/d$n"
+		# Eight creators at once: the pipeline groups their commits.
+		seq -f "file-%07g" "$n" | (cd "$root/d$n" && xargs -P 8 -n 500 touch)
+	done
+done
+
+printf '%-8s %-10s %-6s %10s %10s %8s\n' entries command cache etcfs_s ext4_s ratio
+for n in $sizes; do
+	for cmd in "ls -f" "ls -l" "find"; do
+		for cache in cold warm; do
+			e="" x=""
+			for _ in $(seq "$rounds"); do
+				cold_etcfs
+				[ "$cache" = cold ] || list "$cmd" "$mnt/d$n" >/dev/null
+				e="$e $(seconds list "$cmd" "$mnt/d$n")"
+				cold_ext4
+				[ "$cache" = cold ] || list "$cmd" "$ext/d$n" >/dev/null
+				x="$x $(seconds list "$cmd" "$ext/d$n")"
+			done
+			em=$(echo "$e" | tr ' ' '\n' | grep . | median)
+			xm=$(echo "$x" | tr ' ' '\n' | grep . | median)
+			printf '%-8s %-10s %-6s %10.3f %10.3f %7.1fx\n' "$n" "$cmd" "$cache" "$em" "$xm" \
+				"$(echo "$em / $xm" | bc -l)"
+		done
+	done
+done
+
+# What one warm `ls -l` of the largest directory asks the daemon.
+n=${sizes##* }
+ls -l "$mnt/d$n" >/dev/null
+"$etcfs" stats --reset "$mnt" >/dev/null
+ls -l "$mnt/d$n" >/dev/null
+echo
+echo "FUSE requests of one warm ls -l of $n entries (etcfs stats --json):"
+"$etcfs" stats --json "$mnt" | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+ops = s.get("ops") or s.get("operations") or {}
+for name, o in sorted(ops.items()):
+    c = o.get("count", o) if isinstance(o, dict) else o
+    if c:
+        print(f"  {name:<14} {c}")
+c = s.get("counters", {})
+print("  etcd read txns", c.get("etcd_read_txns"), "etcd txns committed", c.get("etcd_txns_committed"))
+'
