@@ -132,6 +132,22 @@ pub enum Acquired {
     },
 }
 
+/// Whether [`CacheLocks::share_many`] can grant `files` in one transaction: a put, a
+/// delete and the reads of each, and a compare each, within etcd's `--max-txn-ops`.
+pub fn share_many_fits(files: &[(Ino, Vec<RangeRequest>)]) -> bool {
+    let ops: usize = files.iter().map(|(_, r)| 2 + r.len()).sum();
+    ops <= crate::kv::ETCD_TXN_OPS_MAX && files.len() <= crate::kv::ETCD_TXN_OPS_MAX
+}
+
+/// What [`CacheLocks::share_many`] granted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedMany {
+    /// The store revision the locks are held from.
+    pub revision: i64,
+    /// The files now held shared, each with the answers to its reads, as of the grant.
+    pub granted: Vec<(Ino, Vec<crate::kv::RangeResponse>)>,
+}
+
 /// One session's handle on the cache locks.
 #[derive(Clone)]
 pub struct CacheLocks {
@@ -299,6 +315,101 @@ impl CacheLocks {
         })
     }
 
+    /// Takes the shared lock of each of `files` that no other session holds exclusively
+    /// and this one holds not at all, each file's `reads` (its inode, its extents) done
+    /// at the grant: the files of a directory listing at once, so that `ls -l` does not
+    /// take one lock per stat. Two round trips: the holders of all, then one transaction
+    /// granting the free ones on the compare that their holders did not change since.
+    /// Files with a conflicting holder are left out, and a failed compare grants nothing:
+    /// their own operations take them one at a time. `None` too when the files' ops pass
+    /// [`share_many_fits`].
+    pub async fn share_many(
+        &self,
+        files: &[(Ino, Vec<RangeRequest>)],
+    ) -> Result<Option<SharedMany>, MetaError> {
+        if files.is_empty() || !share_many_fits(files) {
+            return Ok(None);
+        }
+        let read = Txn {
+            compares: vec![],
+            success: files
+                .iter()
+                .map(|(ino, _)| {
+                    let r = self.keys.cache_locks(*ino);
+                    TxnOp::Range(RangeRequest::range(r.start, r.end))
+                })
+                .collect(),
+            failure: vec![],
+        };
+        let seen = self.kv.txn(read).await?;
+        let value = CacheLock {
+            mode: LockMode::Shared,
+        }
+        .encode();
+        let (mut compares, mut success, mut granted) = (Vec::new(), Vec::new(), Vec::new());
+        for ((ino, reads), r) in files.iter().zip(&seen.responses) {
+            let TxnOpResponse::Range(r) = r else {
+                continue;
+            };
+            let holders = self.holders(r);
+            if holders.iter().any(|(s, _)| *s == self.me)
+                || !conflicting(&holders, self.me, LockMode::Shared).is_empty()
+            {
+                continue;
+            }
+            let range = self.keys.cache_locks(*ino);
+            compares.push(Compare {
+                key: range.start,
+                range_end: Some(range.end),
+                op: CompareOp::Less,
+                target: CompareTarget::ModRevision(seen.revision + 1),
+            });
+            success.push(TxnOp::Put(PutOp {
+                key: self.keys.cache_lock(*ino, self.me),
+                value: value.clone(),
+                lease: self.lease,
+            }));
+            // A wait of ours left by an operation that gave up on the lock is over.
+            success.push(TxnOp::delete(self.keys.cache_want(*ino, self.me)));
+            success.extend(reads.iter().cloned().map(TxnOp::Range));
+            granted.push((*ino, reads.len()));
+        }
+        if granted.is_empty() {
+            return Ok(None);
+        }
+        let resp = self
+            .kv
+            .txn(Txn {
+                compares,
+                success,
+                failure: vec![],
+            })
+            .await?;
+        if !resp.succeeded {
+            return Ok(None);
+        }
+        let mut answers = resp.responses.into_iter();
+        let mut out = Vec::with_capacity(granted.len());
+        for (ino, n) in granted {
+            // The put and the delete answer nothing of use.
+            answers.next();
+            answers.next();
+            let reads = answers
+                .by_ref()
+                .take(n)
+                .map(|r| match r {
+                    TxnOpResponse::Range(r) => r,
+                    _ => crate::kv::RangeResponse::default(),
+                })
+                .collect();
+            out.push((ino, reads));
+        }
+        Ok(Some(SharedMany {
+            revision: resp.revision,
+            granted: out,
+        }))
+    }
+
     /// Gives the lock up (nothing if not held).
     pub async fn release(&self, ino: Ino) -> Result<(), MetaError> {
         let t = Txn {
@@ -452,6 +563,56 @@ mod tests {
                 b.acquire(ino, Shared, None, None).await,
                 Ok(Acquired::Granted { .. })
             ));
+        });
+    }
+
+    #[test]
+    fn share_many_grants_the_free_files_and_skips_a_writers() {
+        let clock = Arc::new(ManualClock::new(crate::types::Timespec {
+            sec: 1_000_000,
+            nsec: 0,
+        }));
+        let etcd = Arc::new(MemEtcd::new(clock));
+        let kv: Arc<dyn KvBackend> = etcd.clone();
+        let keys = Keyspace::new("t").expect("prefix");
+        let (a, b) = block_on(async {
+            let la = kv.lease_grant(10).await.expect("lease").id;
+            let lb = kv.lease_grant(10).await.expect("lease").id;
+            (
+                CacheLocks::new(kv.clone(), keys.clone(), SessionId(la as u64), la),
+                CacheLocks::new(kv.clone(), keys.clone(), SessionId(lb as u64), lb),
+            )
+        });
+        block_on(async {
+            use LockMode::*;
+            // 1: b writes it; 2: b reads it; 3: free; 4: a holds it already.
+            for (ino, who, mode) in [(1, &b, Exclusive), (2, &b, Shared), (4, &a, Shared)] {
+                assert!(matches!(
+                    who.acquire(Ino(ino), mode, None, None).await,
+                    Ok(Acquired::Granted { .. })
+                ));
+            }
+            etcd.put_raw(&keys.inode(Ino(3)), b"attrs of 3");
+            let ask: Vec<(Ino, Vec<RangeRequest>)> = (1..=4)
+                .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
+                .collect();
+            let got = a.share_many(&ask).await.expect("share").expect("granted");
+            let inos: Vec<u64> = got.granted.iter().map(|(i, _)| i.0).collect();
+            assert_eq!(inos, [2, 3]);
+            let value = |n: usize| got.granted[n].1[0].kvs.first().map(|kv| kv.value.clone());
+            assert_eq!(value(1), Some(b"attrs of 3".to_vec()));
+            assert_eq!(value(0), None, "no inode record put for 2");
+            // Held shared by a now: b's exclusive request must wait for a.
+            assert!(matches!(
+                b.acquire(Ino(3), Exclusive, None, None).await,
+                Ok(Acquired::Busy { .. })
+            ));
+            // Too many at once: nothing.
+            let many: Vec<(Ino, Vec<RangeRequest>)> = (10..60)
+                .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
+                .collect();
+            assert!(!share_many_fits(&many));
+            assert_eq!(a.share_many(&many).await.expect("share"), None);
         });
     }
 }

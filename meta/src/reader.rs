@@ -218,15 +218,7 @@ pub async fn extents(
     from: u64,
     limit: usize,
 ) -> Result<(Vec<Extent>, bool), MetaError> {
-    let decode = |item: &crate::kv::KeyValue| -> Result<Extent, MetaError> {
-        let Some(KeyKind::Extent(_, off)) = keys.parse(&item.key) else {
-            return Err(MetaError::Corrupt {
-                key: keys.describe(&item.key),
-                reason: "not an extent key".into(),
-            });
-        };
-        Extent::decode_value(off, &item.value).map_err(|e| e.at(keys.describe(&item.key)))
-    };
+    let decode = |item: &crate::kv::KeyValue| decode_extent(keys, item);
     let mut out = Vec::new();
     if from > 0 {
         let before = RangeRequest::range(keys.extent(ino, 0), keys.extent(ino, from))
@@ -248,6 +240,17 @@ pub async fn extents(
         out.push(decode(item)?);
     }
     Ok((out, r.more))
+}
+
+/// An extent record read from etcd.
+pub fn decode_extent(keys: &Keyspace, item: &crate::kv::KeyValue) -> Result<Extent, MetaError> {
+    let Some(KeyKind::Extent(_, off)) = keys.parse(&item.key) else {
+        return Err(MetaError::Corrupt {
+            key: keys.describe(&item.key),
+            reason: "not an extent key".into(),
+        });
+    };
+    Extent::decode_value(off, &item.value).map_err(|e| e.at(keys.describe(&item.key)))
 }
 
 /// Reads a directory's parent (None if `dir` has no parent record).

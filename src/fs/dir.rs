@@ -94,7 +94,11 @@ impl Inner {
             if fit == 0 {
                 break;
             }
+            if plus {
+                self.share_ahead(&mut ahead, fit);
+            }
             let batch: Vec<DirEntry> = ahead.entries.drain(..fit).collect();
+            ahead.shared = ahead.shared.saturating_sub(fit);
             ahead.bytes -= batch.iter().map(|e| e.name.len()).sum::<usize>();
             let out = if plus {
                 self.entries_plus(&batch)?
@@ -180,6 +184,26 @@ impl Inner {
             out.push(a.map(|(a, _)| self.entry_out(&a, blocks)));
         }
         Ok(out)
+    }
+
+    /// Takes the shared locks of the regular files among the next entries (those of the
+    /// reply being built, and [`DIR_SHARE_AHEAD`] beyond), unless done already: etcd
+    /// grants them in transactions that each wait for its disk, so many at once cost about
+    /// what one does, and the READDIRPLUS calls that follow find them held.
+    fn share_ahead(&self, ahead: &mut Lookahead, fit: usize) {
+        if ahead.shared >= fit {
+            return;
+        }
+        let end = ahead.entries.len().min(fit.max(DIR_SHARE_AHEAD));
+        let unheld: Vec<u64> = ahead
+            .entries
+            .range(ahead.shared..end)
+            .filter(|e| e.entry.kind == FileType::Regular)
+            .map(|e| e.entry.ino.0)
+            .filter(|&ino| self.locks.held(ino).is_none())
+            .collect();
+        self.share_listed(&unheld);
+        ahead.shared = end;
     }
 
     /// The handle's lookahead if the kernel resumes where it left off (`offset` is the
@@ -273,6 +297,8 @@ pub(super) struct Lookahead {
     page: usize,
     /// Bytes of the names in `entries`.
     bytes: usize,
+    /// Entries at the front of `entries` whose locks READDIRPLUS has taken (or tried).
+    shared: usize,
 }
 
 impl Lookahead {
@@ -284,6 +310,7 @@ impl Lookahead {
             last: after,
             page: DIR_PAGE_ENTRIES,
             bytes: 0,
+            shared: 0,
         }
     }
 

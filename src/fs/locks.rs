@@ -59,6 +59,7 @@ use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use meta::{
     cachelock::{Acquired, CacheLocks, Known, LockMode},
     error::MetaError,
+    kv::{RangeRequest, RangeResponse},
     types::Ino,
 };
 
@@ -442,6 +443,19 @@ impl LockTable {
         }
     }
 
+    /// `ino`'s entry, marked as being taken, when nothing is held, taken or given up:
+    /// for a grant of many files at once ([`Inner::share_listed`]).
+    fn claim_unheld(&self, ino: u64) -> Option<Arc<Entry>> {
+        let e = self.entry(ino);
+        let mut s = e.lock();
+        if s.held.is_some() || s.acquiring || s.releasing || s.refreshing {
+            return None;
+        }
+        s.acquiring = true;
+        drop(s);
+        Some(e)
+    }
+
     /// Counters for `etcfs stats`.
     pub(crate) fn len(&self) -> usize {
         self.table().len()
@@ -577,6 +591,111 @@ impl Inner {
                 }
                 Err(err) => return Err(errno::meta(&err)),
             }
+        }
+    }
+
+    /// Takes the shared locks of listed regular files this node does not hold, with
+    /// their attributes and extent maps read in the same etcd transactions
+    /// ([`CacheLocks::share_many`]), so that the attributes a READDIRPLUS returns may
+    /// stay in the kernel: `ls -l` then stats each file without a request. Each GETATTR
+    /// taking its file's lock alone was most of a cold `ls -l` (a round trip per file).
+    /// Files another node writes, and any a grant misses, are left to their own
+    /// operations. Never call it on a core.
+    pub(super) fn share_listed(&self, inos: &[u64]) {
+        if self.locks.len() >= LOCKS_MAX / 2 {
+            return;
+        }
+        let claimed: Vec<(u64, Arc<Entry>)> = inos
+            .iter()
+            .filter(|&&ino| self.files.get(ino).is_none())
+            .filter_map(|&ino| self.locks.claim_unheld(ino).map(|e| (ino, e)))
+            .collect();
+        let l = self.locks.etcd();
+        let session = l.session();
+        let keys = self.meta.keys().clone();
+        let reads = |ino: u64| {
+            let extents = keys.extents(Ino(ino));
+            let limit = i64::try_from(super::files::EXTENTS_CACHED_MAX).unwrap_or(i64::MAX);
+            vec![
+                RangeRequest::key(keys.inode(Ino(ino))),
+                RangeRequest::range(extents.start, extents.end).limit(limit),
+            ]
+        };
+        let per_txn = meta::kv::ETCD_TXN_OPS_MAX / (2 + reads(0).len());
+        let tickets: Vec<_> = claimed
+            .chunks(per_txn)
+            .map(|chunk| {
+                let ask: Vec<(Ino, Vec<RangeRequest>)> = chunk
+                    .iter()
+                    .map(|(ino, _)| (Ino(*ino), reads(*ino)))
+                    .collect();
+                let l = l.clone();
+                self.meta
+                    .read(move |_, _| Box::pin(async move { l.share_many(&ask).await }))
+            })
+            .collect();
+        let mut granted: HashMap<u64, (i64, Vec<RangeResponse>)> = HashMap::new();
+        for t in tickets {
+            match t.and_then(|t| t.wait()) {
+                Ok(Some(g)) => {
+                    let rev = g.revision;
+                    granted.extend(g.granted.into_iter().map(|(i, r)| (i.0, (rev, r))));
+                }
+                Ok(None) => {}
+                Err(e) => log::debug!("shared locks of a listing not taken: {e}"),
+            }
+        }
+        for (ino, e) in claimed {
+            let mut s = e.lock();
+            s.acquiring = false;
+            let grant = granted.remove(&ino);
+            // Recorded only under a session still open, checked under the entry's lock
+            // as `fence` clears (as for any grant).
+            if let Some((rev, answers)) = grant.filter(|_| self.locks.fence.open_for(session)) {
+                s.held = Some(LockMode::Shared);
+                s.granted_rev = rev;
+                s.granted_at = Some(Instant::now());
+                s.known = None;
+                // What was cached before the lock may predate another node's writes.
+                self.caches.forget_attr(ino);
+                self.caches.forget_blocks(ino);
+                // The map read at the grant is current while the lock is held: nobody
+                // changes a file's extents without taking it from us first. So it is
+                // cached under the generation as it is now, after the forget.
+                let gen = self.caches.blocks_gen();
+                self.fill_granted(ino, rev, gen, &answers);
+                self.caches.n.cache_locks_taken.fetch_add(1, Relaxed);
+                drop(s);
+                e.cv.notify_all();
+            } else {
+                drop(s);
+                e.cv.notify_all();
+                drop(e);
+                self.locks.prune(ino);
+            }
+        }
+    }
+
+    /// Caches a file's attributes and block count as read by its grant.
+    fn fill_granted(&self, ino: u64, rev: i64, gen: u64, answers: &[RangeResponse]) {
+        let keys = self.meta.keys();
+        let [inode, extents] = answers else { return };
+        let attr = inode.kvs.first().and_then(|kv| {
+            meta::codec::decode_at::<meta::codec::InodeAttr>(keys, &kv.key, &kv.value).ok()
+        });
+        let Some(a) = attr else { return };
+        self.caches.fill_attr(&a, rev);
+        if extents.more {
+            return;
+        }
+        let list: Result<Vec<_>, _> = extents
+            .kvs
+            .iter()
+            .map(|kv| meta::reader::decode_extent(keys, kv))
+            .collect();
+        if let Ok(list) = list {
+            self.caches
+                .fill_blocks(ino, super::extent_blocks(&list), gen);
         }
     }
 

@@ -143,6 +143,8 @@ const DIR_PAGE_ENTRIES: usize = 256;
 /// count it on each page, so the number of pages, not only their size, makes a listing's
 /// cost: 100,000 entries take 25 of these.
 const DIR_PAGE_ENTRIES_MAX: usize = 4096;
+/// Entries past a READDIRPLUS reply whose files' shared locks it takes with the reply's.
+const DIR_SHARE_AHEAD: usize = 1024;
 /// Bytes of names all open directories may hold read ahead of the kernel; past it a
 /// listing reads a page per READDIR (correct, slower).
 const DIR_AHEAD_BYTES_MAX: usize = 64 << 20;
