@@ -4,8 +4,8 @@
 #
 #   benches/listing.sh [--sizes "5000 20000 100000"] [--rounds 3] [--etcfs PATH]
 #
-# etcfs: a private one-member etcd and a 1 GiB device image, one node. ext4: a 1 GiB
-# image on the same disk, loop-mounted. "cold": the page, dentry and inode caches
+# etcfs: a private one-member etcd and a 1 GiB device image, one node. ext4: a 2 GiB
+# image on the same disk (262,144 inodes), loop-mounted. "cold": the page, dentry and inode caches
 # dropped and (etcfs) the daemon restarted at the same mountpoint, so its own caches are
 # empty too; "warm": the same command again at once. Also printed: the FUSE requests one
 # warm `ls -l` sends to the daemon, by operation (from `etcfs stats --json`).
@@ -52,12 +52,13 @@ unmount_node() {
 	unset 'pids[-1]'
 }
 mount_node
-truncate -s 1G "$work/ext4.img"
-mkfs.ext4 -q -F "$work/ext4.img"
+truncate -s 2G "$work/ext4.img"
+mkfs.ext4 -q -F -N 262144 "$work/ext4.img"
 loopdev=$(losetup --find --show "$work/ext4.img")
 mkdir -p "$ext"
 mount "$loopdev" "$ext"
 
+die() { echo "listing.sh: $*" >&2; exit 1; }
 median() { sort -n | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 # seconds CMD...: wall time of one run, output discarded.
 seconds() {
@@ -81,7 +82,7 @@ for n in $sizes; do
 	for root in "$mnt" "$ext"; do
 		mkdir "$root/d$n"
 		# Eight creators at once: the pipeline groups their commits.
-		seq -f "file-%07g" "$n" | (cd "$root/d$n" && xargs -P 8 -n 500 touch)
+		seq -f "file-%07g" "$n" | (cd "$root/d$n" && xargs -P 16 -n 250 touch) || die "creating $n files in $root failed"
 	done
 done
 

@@ -410,6 +410,22 @@ impl CacheLocks {
         }))
     }
 
+    /// Deletes this session's keys of `inos` (at most `ETCD_TXN_OPS_MAX`): after a
+    /// [`CacheLocks::share_many`] whose answer was lost, which may have put them.
+    /// Deleting is safe to repeat and leaves no lock the node does not know it holds.
+    pub async fn unshare_many(&self, inos: &[Ino]) -> Result<(), MetaError> {
+        let t = Txn {
+            compares: vec![],
+            success: inos
+                .iter()
+                .map(|ino| TxnOp::delete(self.keys.cache_lock(*ino, self.me)))
+                .collect(),
+            failure: vec![],
+        };
+        self.kv.txn(t).await?;
+        Ok(())
+    }
+
     /// Gives the lock up (nothing if not held).
     pub async fn release(&self, ino: Ino) -> Result<(), MetaError> {
         let t = Txn {

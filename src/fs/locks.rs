@@ -622,27 +622,41 @@ impl Inner {
             ]
         };
         let per_txn = meta::kv::ETCD_TXN_OPS_MAX / (2 + reads(0).len());
-        let tickets: Vec<_> = claimed
+        let chunks: Vec<Vec<Ino>> = claimed
             .chunks(per_txn)
+            .map(|chunk| chunk.iter().map(|(ino, _)| Ino(*ino)).collect())
+            .collect();
+        let tickets: Vec<_> = chunks
+            .iter()
             .map(|chunk| {
-                let ask: Vec<(Ino, Vec<RangeRequest>)> = chunk
-                    .iter()
-                    .map(|(ino, _)| (Ino(*ino), reads(*ino)))
-                    .collect();
+                let ask: Vec<(Ino, Vec<RangeRequest>)> =
+                    chunk.iter().map(|ino| (*ino, reads(ino.0))).collect();
                 let l = l.clone();
                 self.meta
                     .read(move |_, _| Box::pin(async move { l.share_many(&ask).await }))
             })
             .collect();
         let mut granted: HashMap<u64, (i64, Vec<RangeResponse>)> = HashMap::new();
-        for t in tickets {
+        for (t, chunk) in tickets.into_iter().zip(chunks) {
             match t.and_then(|t| t.wait()) {
                 Ok(Some(g)) => {
                     let rev = g.revision;
                     granted.extend(g.granted.into_iter().map(|(i, r)| (i.0, (rev, r))));
                 }
                 Ok(None) => {}
-                Err(e) => log::debug!("shared locks of a listing not taken: {e}"),
+                Err(e) => {
+                    // The grant may have applied with its answer lost: a key of ours the
+                    // table does not know would make another node wait for a release
+                    // that never comes. Deleted before the entries are let go.
+                    log::debug!("shared locks of a listing not taken: {e}");
+                    let l = l.clone();
+                    let undo = self
+                        .meta
+                        .read(move |_, _| Box::pin(async move { l.unshare_many(&chunk).await }));
+                    if let Err(e) = undo.and_then(|t| t.wait()) {
+                        log::warn!("shared locks of a listing may be left in etcd: {e}");
+                    }
+                }
             }
         }
         for (ino, e) in claimed {

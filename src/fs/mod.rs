@@ -143,6 +143,11 @@ const DIR_PAGE_ENTRIES: usize = 256;
 /// count it on each page, so the number of pages, not only their size, makes a listing's
 /// cost: 100,000 entries take 25 of these.
 const DIR_PAGE_ENTRIES_MAX: usize = 4096;
+/// LOOKUP misses in ascending name order in one directory after which the names that
+/// follow are read and their files' shared locks taken at once.
+const LOOKUP_STREAK: u32 = 4;
+/// Directories whose LOOKUP streaks are tracked.
+const LOOKUP_STREAKS_MAX: usize = 256;
 /// Entries past a READDIRPLUS reply whose files' shared locks it takes with the reply's.
 const DIR_SHARE_AHEAD: usize = 1024;
 /// Bytes of names all open directories may hold read ahead of the kernel; past it a
@@ -532,6 +537,9 @@ pub(crate) struct Inner {
     /// Bytes of names held in every handle's [`dir::Lookahead`] (bounded by
     /// `DIR_AHEAD_BYTES_MAX`).
     dir_ahead_bytes: AtomicUsize,
+    /// Per directory, the LOOKUPs that missed in ascending name order (bounded by
+    /// `LOOKUP_STREAKS_MAX` directories): see `Inner::share_following`.
+    lookup_streaks: Mutex<HashMap<u64, LookupStreak>>,
     next_fh: AtomicU64,
     stopping: AtomicBool,
     data_counters: DataCounters,
@@ -575,6 +583,15 @@ pub(crate) struct DevCounters {
     pub(crate) writes: AtomicU64,
     pub(crate) write_bytes: AtomicU64,
     pub(crate) flushes: AtomicU64,
+}
+
+/// LOOKUP misses of one directory in ascending name order.
+#[derive(Default)]
+struct LookupStreak {
+    last: Option<Vec<u8>>,
+    count: u32,
+    /// The last name whose file's lock a prefetch took.
+    through: Option<Vec<u8>>,
 }
 
 /// One open directory: the names behind the cookies it handed out, and what it read
@@ -708,6 +725,7 @@ impl EtcFs {
             held: held::Held::default(),
             dirs: Mutex::new(HashMap::new()),
             dir_ahead_bytes: AtomicUsize::new(0),
+            lookup_streaks: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),

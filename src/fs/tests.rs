@@ -607,6 +607,46 @@ fn readdirplus_takes_the_listed_files_locks_in_bulk() {
     assert_eq!(seen, 100);
 }
 
+/// `find` reads a directory whole, then looks its files up in name order: after a few
+/// such misses the files that follow are looked up and locked in bulk, and their
+/// lookups reach neither etcd nor a waiter; a lookup out of order does not count.
+#[test]
+fn lookups_in_name_order_take_the_following_files_locks_in_bulk() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    for i in 0..300 {
+        let (ino, fh) = a.create(ROOT, format!("f{i:03}").as_bytes());
+        a.release(ino, fh);
+    }
+    let Fx { fs, .. } = a;
+    fs.destroy();
+    drop(fs);
+    // Out of order: no bulk grant.
+    for i in [7, 3, 250, 100, 2, 90] {
+        b.lookup(ROOT, format!("f{i:03}").as_bytes());
+    }
+    assert_eq!(keys_of(&b, b"t/K", b"t/L"), 6, "one lock per lookup");
+    for i in 10..20 {
+        b.lookup(ROOT, format!("f{i:03}").as_bytes());
+    }
+    let held = keys_of(&b, b"t/K", b"t/L");
+    assert!(held > 250, "the files after the streak are held: {held}");
+    let reads = |fx: &Fx| fx.kv.range_count() + fx.kv.txn_count();
+    let before = reads(&b);
+    for i in 30..290 {
+        let e = b.lookup(ROOT, format!("f{i:03}").as_bytes());
+        assert!(
+            e.attr_valid > 0 || e.attr_valid_nsec > 0,
+            "f{i:03}: not cacheable"
+        );
+    }
+    assert_eq!(
+        reads(&b),
+        before,
+        "lookups after the bulk grant reached etcd"
+    );
+}
+
 #[test]
 fn a_listing_reads_each_entry_from_etcd_once() {
     let mut fx = Fx::new();
