@@ -117,11 +117,13 @@ echo "FUSE requests of one warm ls -l of $n entries (etcfs stats --json):"
 "$etcfs" stats --json "$mnt" | python3 -c '
 import json, sys
 s = json.load(sys.stdin)
-ops = s.get("ops") or s.get("operations") or {}
-for name, o in sorted(ops.items()):
-    c = o.get("count", o) if isinstance(o, dict) else o
-    if c:
-        print(f"  {name:<14} {c}")
+ops = s.get("ops") or s.get("operations") or []
+if isinstance(ops, dict):
+    ops = [dict(o, op=k) if isinstance(o, dict) else {"op": k, "count": o} for k, o in ops.items()]
+for o in ops:
+    name = o.get("op") or o.get("name")
+    if o.get("count"):
+        print(f"  {name:<14} {o['count']}")
 c = s.get("counters", {})
 print("  etcd read txns", c.get("etcd_read_txns"), "etcd txns committed", c.get("etcd_txns_committed"))
 '

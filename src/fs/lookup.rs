@@ -216,7 +216,7 @@ impl Inner {
             return Ok(self.negative_entry());
         };
         if d.kind == FileType::Regular && self.locks.held(d.ino.0).is_none() {
-            self.share_following(parent, name);
+            self.share_following(parent, name, d.ino.0);
         }
         let _held = match d.kind {
             FileType::Regular => {
@@ -237,41 +237,58 @@ impl Inner {
         Ok(done_bytes(&self.entry_out(&attr, blocks)))
     }
 
-    /// A walk that stats a directory's files in name order after reading it whole (`find`,
-    /// fts, `du`) looks each up alone, after the kernel's first READDIRPLUS: each LOOKUP
-    /// took its file's lock in its own etcd round trip (39 s for `find -ls` of 5,000
-    /// files). After [`LOOKUP_STREAK`] misses in ascending name order in one directory,
-    /// the names after this one are read in one page, cached, and their files' shared
-    /// locks taken in bulk ([`Inner::share_listed`]), so the lookups that follow are
-    /// answered on the core. A lookup out of order starts the count again, so random
-    /// opens in a big directory take no locks they do not need.
-    fn share_following(&self, parent: u64, name: &[u8]) {
-        {
+    /// A walk that stats a directory's files after reading it whole (`find`, fts, `du`)
+    /// looks each up alone, after the kernel's first READDIRPLUS: each LOOKUP took its
+    /// file's lock in its own etcd round trip (39 s for `find -ls` of 5,000 files). After
+    /// [`LOOKUP_STREAK`] misses in one directory in ascending order, the directory's names
+    /// are read a page at a time, cached, and their files' shared locks taken in bulk
+    /// ([`Inner::share_listed`]), so the lookups that follow are answered on the core.
+    /// Ascending by name: the page after this name. Ascending by inode number (fts sorts
+    /// a directory of over 10,000 entries by inode before it stats them): the pages from
+    /// the directory's start, one more per miss past them, until the walk is covered.
+    /// Lookups in no order start the count again, so random opens in a big directory
+    /// take no locks they do not need.
+    fn share_following(&self, parent: u64, name: &[u8], ino: u64) {
+        let after = {
             let mut streaks = lock(&self.lookup_streaks);
             if streaks.len() >= LOOKUP_STREAKS_MAX && !streaks.contains_key(&parent) {
                 streaks.clear();
             }
             let s = streaks.entry(parent).or_default();
-            s.count = if s.last.as_deref().is_some_and(|l| l < name) {
-                s.count + 1
-            } else {
-                0
-            };
+            let by_name = s.last.as_deref().is_some_and(|l| l < name);
+            let by_ino = s.last_ino < ino;
+            s.count = if by_name || by_ino { s.count + 1 } else { 0 };
             s.last = Some(name.to_vec());
-            let ahead = s.through.as_deref().is_some_and(|t| name <= t);
-            if s.count < LOOKUP_STREAK || ahead {
+            s.last_ino = ino;
+            let covered = s.covered.as_ref().is_some_and(|(from, through)| {
+                from.as_deref().is_none_or(|f| f <= name) && name <= through.as_slice()
+            });
+            if s.count < LOOKUP_STREAK || covered {
                 return;
             }
-        }
+            if by_name {
+                s.covered = None;
+                Some(name.to_vec())
+            } else {
+                s.covered.as_ref().map(|(_, through)| through.clone())
+            }
+        };
         let Ok(page) = self
             .meta
-            .list_dir(Ino(parent), Some(name.to_vec()), DIR_SHARE_AHEAD)
+            .list_dir(Ino(parent), after.clone(), DIR_SHARE_AHEAD)
             .and_then(|t| t.wait())
         else {
             return;
         };
-        if let Some(s) = lock(&self.lookup_streaks).get_mut(&parent) {
-            s.through = page.entries.last().map(|e| e.name.clone());
+        if let (Some(s), Some(last)) = (
+            lock(&self.lookup_streaks).get_mut(&parent),
+            page.entries.last(),
+        ) {
+            let from = match s.covered.take() {
+                Some((from, _)) => from,
+                None => after,
+            };
+            s.covered = Some((from, last.name.clone()));
         }
         let mut regular = Vec::new();
         for e in &page.entries {

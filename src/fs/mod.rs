@@ -589,9 +589,11 @@ pub(crate) struct DevCounters {
 #[derive(Default)]
 struct LookupStreak {
     last: Option<Vec<u8>>,
+    last_ino: u64,
     count: u32,
-    /// The last name whose file's lock a prefetch took.
-    through: Option<Vec<u8>>,
+    /// The names whose files' locks prefetches took: from after the first (`None`: the
+    /// directory's start) through the second.
+    covered: Option<(Option<Vec<u8>>, Vec<u8>)>,
 }
 
 /// One open directory: the names behind the cookies it handed out, and what it read

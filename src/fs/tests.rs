@@ -647,6 +647,40 @@ fn lookups_in_name_order_take_the_following_files_locks_in_bulk() {
     );
 }
 
+/// fts stats a directory of over 10,000 entries in inode order: a walk ascending by
+/// inode number gets the directory's locks page by page from its start.
+#[test]
+fn lookups_in_inode_order_take_the_directorys_locks_in_bulk() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    // Created in descending name order: inode order is the reverse of name order.
+    let mut made = Vec::new();
+    for i in (0..300).rev() {
+        let name = format!("f{i:03}");
+        let (ino, fh) = a.create(ROOT, name.as_bytes());
+        a.release(ino, fh);
+        made.push(name);
+    }
+    let Fx { fs, .. } = a;
+    fs.destroy();
+    drop(fs);
+    for name in &made[..10] {
+        b.lookup(ROOT, name.as_bytes());
+    }
+    let held = keys_of(&b, b"t/K", b"t/L");
+    assert!(held > 250, "the directory's files are held: {held}");
+    let reads = |fx: &Fx| fx.kv.range_count() + fx.kv.txn_count();
+    let before = reads(&b);
+    for name in &made[20..] {
+        b.lookup(ROOT, name.as_bytes());
+    }
+    assert_eq!(
+        reads(&b),
+        before,
+        "lookups after the bulk grant reached etcd"
+    );
+}
+
 #[test]
 fn a_listing_reads_each_entry_from_etcd_once() {
     let mut fx = Fx::new();
