@@ -624,8 +624,13 @@ impl Inner {
                     RangeRequest::range(all.start, all.end).limit(LOCKS_PER_FILE_MAX),
                 )],
             };
+            // Idempotent, so resent through an etcd election: a second copy of one that
+            // applied finds our own keys newer than the read and is refused, with the
+            // fresh set, in which the next round finds nothing left to change (`Done`);
+            // an unlock of keys already deleted compares only our remaining keys and
+            // deletes nothing more.
             let resp = run_read(&self.meta, move |kv, _| {
-                Box::pin(async move { Ok(kv.txn(t).await?) })
+                Box::pin(async move { Ok(kv.txn_idempotent(t).await?) })
             })
             .map_err(|e| errno::meta(&e))?;
             if resp.succeeded {
@@ -792,8 +797,9 @@ impl Inner {
                 success: ops,
                 failure: vec![],
             };
+            // Deletes only: idempotent.
             if let Err(e) = run_read(&self.meta, move |kv, _| {
-                Box::pin(async move { Ok(kv.txn(t).await?.succeeded) })
+                Box::pin(async move { Ok(kv.txn_idempotent(t).await?.succeeded) })
             }) {
                 log::warn!("deleting this node's locks at unmount: {e}");
             }
