@@ -64,6 +64,8 @@ mod resize;
 mod rw;
 mod space;
 #[cfg(test)]
+mod lossy_tests;
+#[cfg(test)]
 mod space_tests;
 #[cfg(test)]
 mod tests;
