@@ -4,6 +4,7 @@
 //! [`Lossy`] sits in front of another backend (the model). Told to lose the answers of
 //! the next N write transactions (those a filter picks), lease grants, renewals or
 //! revokes, it passes each such request on, lets it apply, and answers `Unavailable`.
+//! It can also refuse write transactions unapplied, as an etcd down for longer.
 //! It counts the write transactions it passed on, so a test can tell a write that was
 //! sent once from one that was sent again.
 
@@ -25,6 +26,9 @@ pub type TxnFilter = Arc<dyn Fn(&Txn) -> bool + Send + Sync>;
 pub struct Losses {
     /// Write transactions the filter picks.
     pub txns: u32,
+    /// Write transactions the filter picks refused (`Unavailable`) without applying, as
+    /// by an etcd that stays unreachable (after [`Losses::txns`] are spent).
+    pub refused_txns: u32,
     /// Lease grants.
     pub grants: u32,
     /// Lease renewals.
@@ -144,6 +148,9 @@ impl KvBackend for Lossy {
                 if lose {
                     s.losses.txns -= 1;
                     s.lost += 1;
+                } else if picked && s.losses.refused_txns > 0 {
+                    s.losses.refused_txns -= 1;
+                    return Err(KvError::Unavailable("refused (injected)".into()));
                 }
                 lose
             };

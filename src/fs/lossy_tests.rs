@@ -207,3 +207,69 @@ fn group_claims_survive_lost_answers() {
     assert!(b.kv.dump(&key, &[key.as_slice(), &[0]].concat()).is_empty());
     assert!(!super::lock(&a.fs.inner().alloc).owned().contains(&g));
 }
+
+/// etcd refuses A's release of its locks at close for longer than the resends last (an
+/// outage past the budget): the locks stay in etcd, and B, waiting for them, would wait
+/// until A unmounts. A retries the release until etcd takes it; a lock the same owner
+/// takes again meanwhile is not dropped by the retry. Found by the leader-kill test of
+/// tests/etcd_cluster.rs run without resends: a lock loop on the other node hung.
+#[test]
+fn a_release_etcd_refused_is_retried_until_it_is_taken() {
+    let (mut a, mut b, lossy) = nodes();
+    let (ino, bfh) = b.create(ROOT, b"f");
+    assert_eq!(a.lookup(ROOT, b"f").nodeid, ino);
+    let afh = a.open(ino);
+    for flock in [false, true] {
+        setlk(&mut a, ino, afh, 1, libc::F_WRLCK, flock).expect("A locks");
+        lossy.set_losses(Losses {
+            refused_txns: u32::MAX,
+            ..Default::default()
+        });
+        // The close: FLUSH drops the process's fcntl locks, RELEASE the flock ones.
+        if flock {
+            a.fs.inner().release_locks(ino, 1, true);
+        } else {
+            a.call(
+                ino,
+                Operation::Flush {
+                    fh: afh,
+                    lock_owner: 1,
+                },
+            );
+        }
+        lossy.set_losses(Losses::default());
+        assert_eq!(
+            setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, flock),
+            Err(Errno::EAGAIN),
+            "the refused release left A's lock"
+        );
+        a.fs.inner().retry_releases();
+        setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, flock).expect("B locks once A's release is taken");
+        setlk(&mut b, ino, bfh, 2, libc::F_UNLCK, flock).expect("B unlocks");
+    }
+    // A release refused, then the owner locks again: the retry leaves that lock alone.
+    setlk(&mut a, ino, afh, 1, libc::F_WRLCK, false).expect("A locks");
+    lossy.set_losses(Losses {
+        refused_txns: u32::MAX,
+        ..Default::default()
+    });
+    a.call(
+        ino,
+        Operation::Flush {
+            fh: afh,
+            lock_owner: 1,
+        },
+    );
+    lossy.set_losses(Losses::default());
+    setlk(&mut a, ino, afh, 1, libc::F_WRLCK, false).expect("A locks again");
+    a.fs.inner().retry_releases();
+    assert_eq!(
+        setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, false),
+        Err(Errno::EAGAIN),
+        "A's new lock stands"
+    );
+    setlk(&mut a, ino, afh, 1, libc::F_UNLCK, false).expect("A unlocks");
+    setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, false).expect("B locks");
+    a.release(ino, afh);
+    b.release(ino, bfh);
+}

@@ -788,10 +788,14 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
                     }
                     i.commit_aged();
                     i.unhold_idle(false);
+                    let second = waited.as_millis() % 1000 < step.as_millis();
+                    if second {
+                        i.retry_releases();
+                    }
                     if i.read_only {
                         continue;
                     }
-                    if waited.as_millis() % 1000 < step.as_millis() {
+                    if second {
                         i.fold_released();
                     }
                     if i.space_wanted.swap(false, Ordering::AcqRel) {
