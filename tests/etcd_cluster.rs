@@ -216,7 +216,9 @@ fn lock_loop_path() -> &'static Path {
 const SHARED_FILES: usize = 4;
 
 fn shared(i: usize, round: u64) -> Vec<u8> {
-    (0..8192).map(|j| ((i * 7 + j) as u64 ^ round) as u8).collect()
+    (0..8192)
+        .map(|j| ((i * 7 + j) as u64 ^ round) as u8)
+        .collect()
 }
 
 /// Opens the shared files for writing on one node, writes them and closes them, until

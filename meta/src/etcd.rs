@@ -370,9 +370,12 @@ impl EtcdBackend {
             Ok(b) => Ok(b),
             Err(KvError::Auth(m)) => Err(KvError::Auth(format!("{m} (etcd at {eps})"))),
             Err(KvError::Invalid(m)) => Err(KvError::Invalid(format!("etcd at {eps}: {m}"))),
-            Err(KvError::Unavailable(m)) if m.starts_with(SILENT) => Err(KvError::Unavailable(
-                format!("etcd at {eps} {m}{}", tls_hint(cfg, &KvError::Unavailable(m.clone()))),
-            )),
+            Err(KvError::Unavailable(m)) if m.starts_with(SILENT) => {
+                Err(KvError::Unavailable(format!(
+                    "etcd at {eps} {m}{}",
+                    tls_hint(cfg, &KvError::Unavailable(m.clone()))
+                )))
+            }
             Err(e) => Err(KvError::Unavailable(format!(
                 "etcd at {eps}: {e}{}",
                 tls_hint(cfg, &e)
@@ -384,9 +387,7 @@ impl EtcdBackend {
         cfg: &EtcdConfig,
         deadline: tokio::time::Instant,
     ) -> Result<Self, KvError> {
-        let silent = || {
-            KvError::Unavailable(format!("{SILENT} within {:?}", cfg.connect_timeout))
-        };
+        let silent = || KvError::Unavailable(format!("{SILENT} within {:?}", cfg.connect_timeout));
         let connect = Client::connect(cfg.endpoints.clone(), Some(connect_options(cfg)));
         let client = match tokio::time::timeout_at(deadline, connect).await {
             Ok(c) => c.map_err(map_err)?,
@@ -414,14 +415,15 @@ impl EtcdBackend {
         let mut pause = Duration::from_millis(50);
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let err = match tokio::time::timeout(left.min(PROBE_ATTEMPT), backend.range(probe.clone()))
-                .await
-            {
-                Ok(Ok(_)) => return Ok(backend),
-                Ok(Err(e @ KvError::Unavailable(_))) => e,
-                Ok(Err(e)) => return Err(e),
-                Err(_) => silent(),
-            };
+            let err =
+                match tokio::time::timeout(left.min(PROBE_ATTEMPT), backend.range(probe.clone()))
+                    .await
+                {
+                    Ok(Ok(_)) => return Ok(backend),
+                    Ok(Err(e @ KvError::Unavailable(_))) => e,
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => silent(),
+                };
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if !cfg.probe_retry || left <= pause {
                 return Err(err);

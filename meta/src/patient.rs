@@ -71,7 +71,12 @@ impl Patient {
 
     /// Sends `attempt` until it is answered with anything but `Unavailable` or the budget
     /// is spent; the second value says whether it was resent.
-    async fn retry<T, F>(&self, kind: Kind, what: &str, mut attempt: F) -> (Result<T, KvError>, bool)
+    async fn retry<T, F>(
+        &self,
+        kind: Kind,
+        what: &str,
+        mut attempt: F,
+    ) -> (Result<T, KvError>, bool)
     where
         F: FnMut() -> BoxFut<'static, Result<T, KvError>>,
     {
@@ -326,7 +331,10 @@ mod tests {
         assert!(!r.succeeded);
         match r.responses.first() {
             Some(crate::kv::TxnOpResponse::Range(rr)) => {
-                assert_eq!(rr.kvs.first().map(|kv| kv.value.clone()), Some(b"me".to_vec()));
+                assert_eq!(
+                    rr.kvs.first().map(|kv| kv.value.clone()),
+                    Some(b"me".to_vec())
+                );
                 assert_eq!(rr.kvs.first().map(|kv| kv.version), Some(1), "put once");
             }
             other => panic!("{other:?}"),
@@ -415,7 +423,11 @@ mod tests {
             .await
             .expect("answered by the new leader");
         assert_eq!(election.attempts.load(Ordering::Relaxed), 5);
-        assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -434,6 +446,10 @@ mod tests {
             patient.txn_idempotent(t).await,
             Err(KvError::Unavailable(_))
         ));
-        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
     }
 }

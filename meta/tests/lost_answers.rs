@@ -105,7 +105,11 @@ impl World {
     }
 
     fn lost_all(&self) {
-        assert_eq!(self.lossy.losses_left(), Losses::default(), "every loss used");
+        assert_eq!(
+            self.lossy.losses_left(),
+            Losses::default(),
+            "every loss used"
+        );
     }
 }
 
@@ -135,7 +139,10 @@ async fn group_claims_and_releases_resent_after_lost_answers() {
     let b = w.session("b").await;
     let g = GroupId(3);
     w.lose_txns(2);
-    assert!(a.claim_group(g).await.unwrap(), "claimed, though twice unanswered");
+    assert!(
+        a.claim_group(g).await.unwrap(),
+        "claimed, though twice unanswered"
+    );
     w.lost_all();
     let (_, version) = w.key(w.keys.group(g)).await.unwrap();
     assert_eq!(version, 1, "the owner record is put once");
@@ -175,7 +182,11 @@ async fn want_space_and_revoke_dead_resent_after_lost_answers() {
     a.revoke_dead(dead_id).await.unwrap();
     w.lost_all();
     let live = live_sessions(&*w.etcd, &w.keys).await.unwrap();
-    assert_eq!(live.len(), 1, "the dead session's record went with its lease");
+    assert_eq!(
+        live.len(),
+        1,
+        "the dead session's record went with its lease"
+    );
 }
 
 /// The holders of `ino`'s cache lock in etcd, with their keys' versions.
@@ -256,7 +267,11 @@ async fn cache_locks_with_lost_answers_are_granted_once_and_released_once() {
     w.lose_txns(1);
     la.acquire(ino, LockMode::Shared, None, None).await.unwrap();
     w.lose_txns(1);
-    match la.acquire(ino, LockMode::Exclusive, None, None).await.unwrap() {
+    match la
+        .acquire(ino, LockMode::Exclusive, None, None)
+        .await
+        .unwrap()
+    {
         Acquired::Busy { holders, .. } => assert_eq!(holders, vec![b.id()]),
         other => panic!("{other:?}"),
     }
@@ -265,7 +280,9 @@ async fn cache_locks_with_lost_answers_are_granted_once_and_released_once() {
     assert!(w.key(w.keys.cache_want(ino, a.id())).await.is_none());
     // One resend per lost answer.
     assert_eq!(
-        w.stats.write_retries.load(std::sync::atomic::Ordering::Relaxed),
+        w.stats
+            .write_retries
+            .load(std::sync::atomic::Ordering::Relaxed),
         w.lossy.lost()
     );
 }
@@ -286,7 +303,12 @@ async fn a_write_that_is_not_idempotent_is_sent_once_and_reported() {
     assert!(matches!(w.kv.txn(add).await, Err(KvError::Unavailable(_))));
     assert_eq!(w.lossy.writes_sent(), sent + 1, "sent once");
     assert_eq!(w.key(counter).await.unwrap().0, b"2".to_vec());
-    assert_eq!(w.stats.write_retries.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        w.stats
+            .write_retries
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
 }
 
 /// Renewals whose answers are lost (etcd renewed the lease, the node did not hear it) are
@@ -311,5 +333,8 @@ async fn lost_renewals_are_resent_and_the_session_lives_on() {
         assert!(s.is_alive(), "fence closed {t:?} in");
     }
     w.lost_all();
-    assert!(w.etcd.lease_deadline(s.lease().0).is_some(), "the lease lives");
+    assert!(
+        w.etcd.lease_deadline(s.lease().0).is_some(),
+        "the lease lives"
+    );
 }

@@ -174,19 +174,18 @@ fn group_claims_survive_lost_answers() {
     let owned = super::lock(&a.fs.inner().alloc).owned().clone();
     assert_eq!(owned.len(), before + 2);
     // etcd agrees: A's session owns exactly the groups its allocator has.
-    let mut in_etcd: Vec<u32> = b
-        .kv
-        .dump(b"t/G", b"t/H")
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let keys = Keyspace::new("t").ok()?;
-            let Some(KeyKind::Group(g)) = keys.parse(&k) else {
-                return None;
-            };
-            let o = <meta::codec::Owner as meta::codec::Record>::decode(&v).ok()?;
-            (o.session == session).then_some(g.0)
-        })
-        .collect();
+    let mut in_etcd: Vec<u32> =
+        b.kv.dump(b"t/G", b"t/H")
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let keys = Keyspace::new("t").ok()?;
+                let Some(KeyKind::Group(g)) = keys.parse(&k) else {
+                    return None;
+                };
+                let o = <meta::codec::Owner as meta::codec::Record>::decode(&v).ok()?;
+                (o.session == session).then_some(g.0)
+            })
+            .collect();
     in_etcd.sort_unstable();
     assert_eq!(in_etcd, owned.iter().map(|g| g.0).collect::<Vec<_>>());
     // And A writes into them.
@@ -244,7 +243,8 @@ fn a_release_etcd_refused_is_retried_until_it_is_taken() {
             "the refused release left A's lock"
         );
         a.fs.inner().retry_releases();
-        setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, flock).expect("B locks once A's release is taken");
+        setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, flock)
+            .expect("B locks once A's release is taken");
         setlk(&mut b, ino, bfh, 2, libc::F_UNLCK, flock).expect("B unlocks");
     }
     // A release refused, then the owner locks again: the retry leaves that lock alone.

@@ -56,6 +56,8 @@ mod files;
 mod held;
 mod locks;
 mod lookup;
+#[cfg(test)]
+mod lossy_tests;
 mod namespace;
 mod open;
 mod plocks;
@@ -63,8 +65,6 @@ mod pool;
 mod resize;
 mod rw;
 mod space;
-#[cfg(test)]
-mod lossy_tests;
 #[cfg(test)]
 mod space_tests;
 #[cfg(test)]

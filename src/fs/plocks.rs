@@ -820,8 +820,7 @@ impl Inner {
     /// Retries the releases etcd did not take (see `State::unreleased`); a failure is
     /// left for the next call.
     pub(super) fn retry_releases(&self) {
-        let todo: Vec<(u64, u64, bool)> =
-            self.plocks.state().unreleased.iter().copied().collect();
+        let todo: Vec<(u64, u64, bool)> = self.plocks.state().unreleased.iter().copied().collect();
         for (ino, owner, flock) in todo {
             let all = Want {
                 flock,
