@@ -422,6 +422,8 @@ fn running_etcd(pid_file: &Path, dir: &Path) -> Option<u32> {
 fn answers(rt: &tokio::runtime::Runtime, cfg: &EtcdConfig) -> Result<()> {
     let mut cfg = cfg.clone();
     cfg.connect_timeout = Duration::from_secs(1);
+    // The caller polls every 50 ms while etcd starts: each poll answers at once.
+    cfg.probe_retry = false;
     rt.block_on(EtcdBackend::connect(&cfg))
         .map(drop)
         .map_err(|e| anyhow!("{e}"))

@@ -14,15 +14,16 @@ use std::{
     io::{Read as _, Write as _},
     os::unix::fs::FileExt as _,
     path::{Path, PathBuf},
+    process::{Command, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
-        mpsc, Arc,
+        mpsc, Arc, OnceLock,
     },
     thread,
     time::{Duration, Instant},
 };
 
-use common::{can_run, errno_of, EtcdCluster, TestFs};
+use common::{can_run, digest, errno_of, next_id, run_ok, EtcdCluster, TestFs};
 
 fn content(i: usize) -> Vec<u8> {
     (0..16 * 1024).map(|j| ((i * 31 + j) % 251) as u8).collect()
@@ -129,6 +130,318 @@ fn killing_the_etcd_leader_under_load_reaches_no_application() {
     );
     assert!(kept.len() > 20, "the workload hardly ran: {}", kept.len());
     check_files(&dir, &kept);
+    drop(a);
+    drop(fs);
+}
+
+/// Takes and drops a flock lock and an fcntl lock (F_SETLKW) on one file, opened for
+/// each round, until a stop file appears; prints one line per failed call (`E errno
+/// call`) and at the end `ok ROUNDS LONGEST_MS`. Tests may not use `unsafe`
+/// (tests/tidy.rs), so the locking is done in C.
+const LOCK_LOOP_C: &str = r#"
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static long long now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) return 2;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    long rounds = 0;
+    long long longest = 0;
+    struct stat st;
+    while (stat(argv[2], &st) != 0) {
+        long long t = now_ms();
+        int fd = open(argv[1], O_RDWR | O_CREAT, 0644);
+        if (fd < 0) { printf("E %d open\n", errno); usleep(10000); continue; }
+        if (flock(fd, LOCK_EX) != 0) printf("E %d flock-ex\n", errno);
+        else if (flock(fd, LOCK_UN) != 0) printf("E %d flock-un\n", errno);
+        struct flock fl;
+        memset(&fl, 0, sizeof fl);
+        fl.l_type = F_WRLCK;
+        fl.l_whence = SEEK_SET;
+        if (fcntl(fd, F_SETLKW, &fl) != 0) printf("E %d setlkw\n", errno);
+        else {
+            fl.l_type = F_UNLCK;
+            if (fcntl(fd, F_SETLK, &fl) != 0) printf("E %d unlck\n", errno);
+        }
+        if (close(fd) != 0) printf("E %d close\n", errno);
+        rounds++;
+        if (now_ms() - t > longest) longest = now_ms() - t;
+    }
+    printf("ok %ld %lld\n", rounds, longest);
+    return 0;
+}
+"#;
+
+/// The lock loop binary, compiled once per test process.
+fn lock_loop_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        fs::create_dir_all(&dir).expect("create CARGO_TARGET_TMPDIR");
+        let bin = dir.join(format!(
+            "etcfs-lock-loop-{:016x}",
+            digest(LOCK_LOOP_C.as_bytes())
+        ));
+        if bin.exists() {
+            return bin;
+        }
+        let tmp = dir.join(format!("lock-loop-{}-{}", std::process::id(), next_id()));
+        let src = tmp.with_extension("c");
+        fs::write(&src, LOCK_LOOP_C).expect("write the lock loop's source");
+        run_ok(
+            Command::new("cc")
+                .args(["-O1", "-Wall", "-o"])
+                .arg(&tmp)
+                .arg(&src),
+        );
+        let _ = fs::remove_file(&src);
+        fs::rename(&tmp, &bin).expect("install the lock loop");
+        bin
+    })
+}
+
+const SHARED_FILES: usize = 4;
+
+fn shared(i: usize, round: u64) -> Vec<u8> {
+    (0..8192)
+        .map(|j| ((i * 7 + j) as u64 ^ round) as u8)
+        .collect()
+}
+
+/// Opens the shared files for writing on one node, writes them and closes them, until
+/// told to stop: every open of a file the other node has open and reads needs the cache
+/// lock from it. Returns the rounds, the errors and the longest step.
+fn shared_writer(dir: PathBuf, stop: Arc<AtomicBool>) -> (u64, Vec<String>, Duration) {
+    let (mut round, mut errors, mut longest) = (0u64, Vec::new(), Duration::ZERO);
+    while !stop.load(Ordering::Relaxed) {
+        for i in 0..SHARED_FILES {
+            let t = Instant::now();
+            let r = File::options()
+                .write(true)
+                .open(dir.join(format!("s{i}")))
+                .and_then(|f| f.write_all_at(&shared(i, round), 0));
+            longest = longest.max(t.elapsed());
+            if let Err(e) = r {
+                errors.push(format!("writer round {round}, s{i}: {e}"));
+            }
+        }
+        round += 1;
+    }
+    (round, errors, longest)
+}
+
+/// Reads the shared files through descriptors held open all along, until told to stop:
+/// each read takes the cache lock back from the writer's node.
+fn shared_reader(files: Vec<File>, stop: Arc<AtomicBool>) -> (u64, Vec<String>, Duration) {
+    let (mut round, mut errors, mut longest) = (0u64, Vec::new(), Duration::ZERO);
+    let mut buf = vec![0u8; 8192];
+    while !stop.load(Ordering::Relaxed) {
+        for (i, f) in files.iter().enumerate() {
+            let t = Instant::now();
+            if let Err(e) = f.read_exact_at(&mut buf, 0) {
+                errors.push(format!("reader round {round}, s{i}: {e}"));
+            }
+            longest = longest.max(t.elapsed());
+        }
+        round += 1;
+        thread::sleep(Duration::from_millis(20));
+    }
+    (round, errors, longest)
+}
+
+/// A lock loop on `file` until `stop_file` exists; killed when dropped.
+struct LockLoop {
+    child: std::process::Child,
+    /// Its error lines and its last line, once it has ended.
+    out: mpsc::Receiver<(Vec<String>, String)>,
+}
+
+impl LockLoop {
+    fn start(file: &Path, stop_file: &Path) -> LockLoop {
+        let mut child = Command::new(lock_loop_path())
+            .arg(file)
+            .arg(stop_file)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run the lock loop");
+        let mut stdout = child.stdout.take().expect("stdout");
+        let (tx, out) = mpsc::channel();
+        thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stdout.read_to_string(&mut text);
+            let errors = text
+                .lines()
+                .filter(|l| !l.starts_with("ok"))
+                .map(str::to_owned)
+                .collect();
+            let last = text.lines().last().unwrap_or_default().to_owned();
+            let _ = tx.send((errors, last));
+        });
+        LockLoop { child, out }
+    }
+
+    /// Its errors and last line, or None if it did not end within `within`.
+    fn end(&mut self, within: Duration) -> Option<(Vec<String>, String)> {
+        let r = self.out.recv_timeout(within).ok();
+        if r.is_some() {
+            let _ = self.child.wait();
+        }
+        r
+    }
+}
+
+impl Drop for LockLoop {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Two nodes share files and locks while the etcd leader is killed twice: node A opens
+/// for writing files node B holds open and reads (so every open and every read moves a
+/// cache lock between the nodes), processes on both take flock and fcntl locks on one
+/// file in a loop, and a third node mounts right after the first kill, during the
+/// election. No error may reach any of them, and the mount must succeed: each of those
+/// writes to etcd (cache locks, fcntl and flock locks, the session's lease and member
+/// record, group claims) is idempotent and sent again until the new leader answers.
+#[test]
+fn killing_the_etcd_leader_reaches_no_lock_shared_open_or_mount() {
+    let Some((mut etcd, fs)) = cluster_fs("etcd_leader_kill_locks", 3, &[]) else {
+        return;
+    };
+    let a = fs.mount_node("a", "auto", &[]);
+    let b = fs.mount_node("b", "auto", &[]);
+    for i in 0..SHARED_FILES {
+        fs::write(a.path(&format!("s{i}")), shared(i, u64::MAX)).expect("write a shared file");
+    }
+    fs::write(a.path("lockfile"), b"").expect("create the lock file");
+    let held: Vec<File> = (0..SHARED_FILES)
+        .map(|i| File::open(b.path(&format!("s{i}"))).expect("open on b"))
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop_file = fs.base.join(format!("stop-{}", next_id()));
+    let (d, s) = (a.path(""), stop.clone());
+    let (writer_tx, writer) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = writer_tx.send(shared_writer(d, s));
+    });
+    let s = stop.clone();
+    let (reader_tx, reader) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = reader_tx.send(shared_reader(held, s));
+    });
+    let mut lockers = [
+        LockLoop::start(&a.path("lockfile"), &stop_file),
+        LockLoop::start(&b.path("lockfile"), &stop_file),
+    ];
+    let (d, s) = (a.path(""), stop.clone());
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(workload(d, s));
+    });
+    let (mut c, mut c_errors) = (None, Vec::new());
+    for round in 0..2 {
+        thread::sleep(Duration::from_secs(2));
+        let leader = etcd.leader();
+        eprintln!("round {round}: killing the leader, member {leader}");
+        etcd.stop(leader);
+        if round == 0 {
+            // Before the others have even noticed the leader is gone (etcd's election
+            // timeout is a second): the probe, the lease grant and the member record all
+            // meet the election.
+            let t = Instant::now();
+            let node = fs.mount_node("c", "auto", &[]);
+            eprintln!("node c mounted during the election in {:?}", t.elapsed());
+            let mut got = Vec::new();
+            match File::open(node.path("s0")).and_then(|mut f| f.read_to_end(&mut got)) {
+                Ok(8192) => {}
+                Ok(n) => c_errors.push(format!("c read {n} bytes of s0")),
+                Err(e) => c_errors.push(format!("c reading s0: {e}")),
+            }
+            c = Some(node);
+        }
+        thread::sleep(Duration::from_secs(4));
+        etcd.run(leader);
+        etcd.wait_healthy(Duration::from_secs(30));
+    }
+    thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    File::create(&stop_file).expect("create the stop file");
+    let hangs = |what: &str| -> ! {
+        panic!(
+            "{what} hangs\n--- a ---\n{}\n--- b ---\n{}",
+            a.log_text(),
+            b.log_text()
+        )
+    };
+    let within = Duration::from_secs(60);
+    let (kept, mut errors, longest) = rx
+        .recv_timeout(within)
+        .unwrap_or_else(|_| hangs("the workload"));
+    errors.append(&mut c_errors);
+    let (writes, e, w_longest) = writer
+        .recv_timeout(within)
+        .unwrap_or_else(|_| hangs("the shared writer on a"));
+    errors.extend(e);
+    let (reads, e, r_longest) = reader
+        .recv_timeout(within)
+        .unwrap_or_else(|_| hangs("the shared reader on b"));
+    errors.extend(e);
+    let mut lock_rounds = Vec::new();
+    for (node, l) in ["a", "b"].into_iter().zip(lockers.iter_mut()) {
+        let (e, last) = l
+            .end(within)
+            .unwrap_or_else(|| hangs(&format!("the lock loop on {node}")));
+        errors.extend(e.into_iter().map(|e| format!("lock loop on {node}: {e}")));
+        lock_rounds.push(last);
+    }
+    for (name, node) in [("a", &a), ("b", &b)] {
+        let stats = node.stats_json();
+        eprintln!(
+            "node {name}: write retries {}, read retries {}, unanswered commits {}",
+            stats["counters"]["etcd_write_retries"],
+            stats["counters"]["etcd_read_retries"],
+            stats["counters"]["etcd_txns_unanswered"],
+        );
+    }
+    eprintln!(
+        "{} files kept (longest step {longest:?}); {writes} rounds of shared writes \
+         (longest open and write {w_longest:?}), {reads} of reads on b (longest \
+         {r_longest:?}); lock loops: {lock_rounds:?} (rounds, longest ms)",
+        kept.len()
+    );
+    assert!(
+        errors.is_empty(),
+        "errors reached applications: {errors:#?}\n--- a ---\n{}\n--- b ---\n{}",
+        a.log_text(),
+        b.log_text()
+    );
+    assert!(writes > 5 && reads > 5, "the shared workload hardly ran");
+    assert!(
+        lock_rounds.iter().all(|l| l
+            .strip_prefix("ok ")
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .is_some_and(|n| n > 5)),
+        "the lock loops hardly ran: {lock_rounds:?}"
+    );
+    check_files(&a.path(""), &kept);
+    drop(c);
+    drop(b);
     drop(a);
     drop(fs);
 }

@@ -10,13 +10,20 @@
 //!
 //! * **Acquire**: read `K<ino>*` at revision R; when no other session holds a conflicting
 //!   mode, one transaction puts `K<ino><me>` and deletes `Q<ino><me>`, on the compare that
-//!   no key of `K<ino>*` was written after R (a new holder, or a holder that changed its
-//!   mode, makes it fail, and the read is redone). Otherwise `Q<ino><me>` is put (again,
-//!   so that each attempt is an event the holders' watches see) and the caller waits for
-//!   a change of `K<ino>*`.
+//!   no key of `K<ino>*` but our own was written after R (a new holder, or a holder that
+//!   changed its mode, makes it fail, and the read is redone). Otherwise `Q<ino><me>` is
+//!   put (again, so that each attempt is an event the holders' watches see) and the
+//!   caller waits for a change of `K<ino>*`.
 //! * **Release** deletes `K<ino><me>`; **downgrade** (exclusive to shared) overwrites it.
 //!   Neither needs a compare: only the holder writes its own key.
 //! * A session that dies loses its keys with its lease; whoever waited sees the deletes.
+//!
+//! Every one of these writes is idempotent, so each is resent when etcd did not answer
+//! (an election: [`crate::kv::KvBackend::txn_idempotent`]): an acquire sent again after
+//! its first copy granted finds the other holders as they were (our own key is left out
+//! of the compare, only we write it) and grants again, the same key with the same mode;
+//! a release or withdrawal deletes a key already gone; a downgrade or a wait puts the
+//! value already there.
 
 use std::sync::Arc;
 
@@ -133,10 +140,10 @@ pub enum Acquired {
 }
 
 /// Whether [`CacheLocks::share_many`] can grant `files` in one transaction: a put, a
-/// delete and the reads of each, and a compare each, within etcd's `--max-txn-ops`.
+/// delete and the reads of each, and two compares each, within etcd's `--max-txn-ops`.
 pub fn share_many_fits(files: &[(Ino, Vec<RangeRequest>)]) -> bool {
     let ops: usize = files.iter().map(|(_, r)| 2 + r.len()).sum();
-    ops <= crate::kv::ETCD_TXN_OPS_MAX && files.len() <= crate::kv::ETCD_TXN_OPS_MAX
+    ops <= crate::kv::ETCD_TXN_OPS_MAX && 2 * files.len() <= crate::kv::ETCD_TXN_OPS_MAX
 }
 
 /// What [`CacheLocks::share_many`] granted.
@@ -146,6 +153,13 @@ pub struct SharedMany {
     pub revision: i64,
     /// The files now held shared, each with the answers to its reads, as of the grant.
     pub granted: Vec<(Ino, Vec<crate::kv::RangeResponse>)>,
+}
+
+/// The first key after `key` (its successor in etcd's byte order).
+fn after(key: &[u8]) -> Vec<u8> {
+    let mut k = key.to_vec();
+    k.push(0);
+    k
 }
 
 /// One session's handle on the cache locks.
@@ -226,16 +240,25 @@ impl CacheLocks {
                 .unwrap_or_default();
             if busy.is_empty() {
                 // Nobody is in the way as far as we know: take it, on the compare that the
-                // holders did not change since (or that there are none).
-                let compare = match &known {
-                    Some(k) => Compare {
-                        key: range.start.clone(),
-                        range_end: Some(range.end.clone()),
-                        op: CompareOp::Less,
-                        target: CompareTarget::ModRevision(k.revision + 1),
-                    },
-                    None => Compare::range_empty(range.start.clone(), range.end.clone()),
-                };
+                // other holders did not change since (or that there are none). Our own key
+                // is left out: only we write it, and a grant resent after its answer was
+                // lost must find the others as they were, not our key just put.
+                let others = [
+                    (range.start.clone(), mine.clone()),
+                    (after(&mine), range.end.clone()),
+                ];
+                let compares = others
+                    .into_iter()
+                    .map(|(from, to)| match &known {
+                        Some(k) => Compare {
+                            key: from,
+                            range_end: Some(to),
+                            op: CompareOp::Less,
+                            target: CompareTarget::ModRevision(k.revision + 1),
+                        },
+                        None => Compare::range_empty(from, to),
+                    })
+                    .collect();
                 let mut success = vec![
                     TxnOp::Put(PutOp {
                         key: mine.clone(),
@@ -251,7 +274,7 @@ impl CacheLocks {
                 // the same round trip (needless when they turn out not to conflict, and
                 // then harmless: holders give way only to a conflicting wait).
                 let t = Txn {
-                    compares: vec![compare],
+                    compares,
                     success,
                     failure: vec![
                         read_range(),
@@ -262,7 +285,7 @@ impl CacheLocks {
                         }),
                     ],
                 };
-                let resp = self.kv.txn(t).await?;
+                let resp = self.kv.txn_idempotent(t).await?;
                 if resp.succeeded {
                     let extra = match resp.responses.get(2) {
                         Some(TxnOpResponse::Range(r)) => r.kvs.first().cloned(),
@@ -297,7 +320,7 @@ impl CacheLocks {
                 ],
                 failure: vec![],
             };
-            let resp = self.kv.txn(t).await?;
+            let resp = self.kv.txn_idempotent(t).await?;
             let now = range_of(&resp, 1).unwrap_or_default();
             let holders = conflicting(&now.holders, self.me, want);
             if holders.is_empty() {
@@ -357,13 +380,18 @@ impl CacheLocks {
             {
                 continue;
             }
+            // The other holders as read, our own key left out (as in `acquire`): a grant
+            // resent after its answer was lost grants again.
             let range = self.keys.cache_locks(*ino);
-            compares.push(Compare {
-                key: range.start,
-                range_end: Some(range.end),
-                op: CompareOp::Less,
-                target: CompareTarget::ModRevision(seen.revision + 1),
-            });
+            let mine = self.keys.cache_lock(*ino, self.me);
+            for (from, to) in [(range.start, mine.clone()), (after(&mine), range.end)] {
+                compares.push(Compare {
+                    key: from,
+                    range_end: Some(to),
+                    op: CompareOp::Less,
+                    target: CompareTarget::ModRevision(seen.revision + 1),
+                });
+            }
             success.push(TxnOp::Put(PutOp {
                 key: self.keys.cache_lock(*ino, self.me),
                 value: value.clone(),
@@ -379,7 +407,7 @@ impl CacheLocks {
         }
         let resp = self
             .kv
-            .txn(Txn {
+            .txn_idempotent(Txn {
                 compares,
                 success,
                 failure: vec![],
@@ -422,7 +450,7 @@ impl CacheLocks {
                 .collect(),
             failure: vec![],
         };
-        self.kv.txn(t).await?;
+        self.kv.txn_idempotent(t).await?;
         Ok(())
     }
 
@@ -433,7 +461,7 @@ impl CacheLocks {
             success: vec![TxnOp::delete(self.keys.cache_lock(ino, self.me))],
             failure: vec![],
         };
-        self.kv.txn(t).await?;
+        self.kv.txn_idempotent(t).await?;
         Ok(())
     }
 
@@ -454,7 +482,7 @@ impl CacheLocks {
             success: vec![TxnOp::delete(self.keys.cache_want(ino, self.me))],
             failure: vec![],
         };
-        self.kv.txn(t).await?;
+        self.kv.txn_idempotent(t).await?;
         Ok(())
     }
 
@@ -468,7 +496,7 @@ impl CacheLocks {
             })],
             failure: vec![],
         };
-        self.kv.txn(t).await?;
+        self.kv.txn_idempotent(t).await?;
         Ok(())
     }
 }

@@ -42,6 +42,10 @@ pub struct EtcdConfig {
     /// The key read to prove the cluster answers: one the user may read (a user whose
     /// role covers only a filesystem's prefix may read nothing outside it).
     pub probe_key: Vec<u8>,
+    /// Send the probe again while etcd is unavailable, until `connect_timeout`: a mount
+    /// started during a leader election (a member killed, its successor not yet elected)
+    /// waits for the new leader instead of failing. Off for a caller that polls itself.
+    pub probe_retry: bool,
 }
 
 impl EtcdConfig {
@@ -54,6 +58,7 @@ impl EtcdConfig {
             tls: None,
             auth: None,
             probe_key: b"\0etcfs-probe".to_vec(),
+            probe_retry: true,
         }
     }
 }
@@ -150,7 +155,12 @@ fn map_err(e: etcd_client::Error) -> KvError {
                 Some(causes) => format!("{}: {causes}", s.message()),
                 None => s.message().to_owned(),
             };
-            if msg.contains("too many operations") {
+            if is_election(&msg) {
+                // A leader election (or an overloaded leader) under way: etcd may not have
+                // applied the request, or may have; the caller's retry or marker decides,
+                // as for any unanswered request.
+                KvError::Unavailable(msg)
+            } else if msg.contains("too many operations") {
                 KvError::TooManyOps
             } else if msg.contains("request is too large") {
                 KvError::RequestTooLarge
@@ -188,6 +198,22 @@ fn map_err(e: etcd_client::Error) -> KvError {
         E::LeaseKeepAliveError(m) if m.contains("lease not found") => KvError::LeaseNotFound,
         other => KvError::Other(other.to_string()),
     }
+}
+
+/// Whether etcd's message says it could not serve the request for want of a (stable)
+/// leader, or of capacity: "not leader" is FailedPrecondition and "too many requests"
+/// ResourceExhausted to gRPC, but both pass with the election, as do the Unavailable ones.
+fn is_election(msg: &str) -> bool {
+    [
+        "etcdserver: not leader",
+        "etcdserver: no leader",
+        "etcdserver: leader changed",
+        "proposal dropped",
+        "etcdserver: too many requests",
+        "etcdserver: request timed out",
+    ]
+    .iter()
+    .any(|w| msg.contains(w))
 }
 
 /// etcd's words for an auth refusal, with what to do about it.
@@ -339,26 +365,34 @@ impl EtcdBackend {
             return Err(KvError::Invalid("no etcd endpoints".into()));
         }
         let eps = cfg.endpoints.join(",");
-        match tokio::time::timeout(cfg.connect_timeout, Self::connect_and_probe(cfg)).await {
-            Ok(Ok(b)) => Ok(b),
-            Ok(Err(KvError::Auth(m))) => Err(KvError::Auth(format!("{m} (etcd at {eps})"))),
-            Ok(Err(KvError::Invalid(m))) => Err(KvError::Invalid(format!("etcd at {eps}: {m}"))),
-            Ok(Err(e)) => Err(KvError::Unavailable(format!(
+        let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+        match Self::connect_and_probe(cfg, deadline).await {
+            Ok(b) => Ok(b),
+            Err(KvError::Auth(m)) => Err(KvError::Auth(format!("{m} (etcd at {eps})"))),
+            Err(KvError::Invalid(m)) => Err(KvError::Invalid(format!("etcd at {eps}: {m}"))),
+            Err(KvError::Unavailable(m)) if m.starts_with(SILENT) => {
+                Err(KvError::Unavailable(format!(
+                    "etcd at {eps} {m}{}",
+                    tls_hint(cfg, &KvError::Unavailable(m.clone()))
+                )))
+            }
+            Err(e) => Err(KvError::Unavailable(format!(
                 "etcd at {eps}: {e}{}",
                 tls_hint(cfg, &e)
-            ))),
-            Err(_) => Err(KvError::Unavailable(format!(
-                "etcd at {eps} did not answer within {:?}{}",
-                cfg.connect_timeout,
-                tls_hint(cfg, &KvError::Unavailable(String::new()))
             ))),
         }
     }
 
-    async fn connect_and_probe(cfg: &EtcdConfig) -> Result<Self, KvError> {
-        let client = Client::connect(cfg.endpoints.clone(), Some(connect_options(cfg)))
-            .await
-            .map_err(map_err)?;
+    async fn connect_and_probe(
+        cfg: &EtcdConfig,
+        deadline: tokio::time::Instant,
+    ) -> Result<Self, KvError> {
+        let silent = || KvError::Unavailable(format!("{SILENT} within {:?}", cfg.connect_timeout));
+        let connect = Client::connect(cfg.endpoints.clone(), Some(connect_options(cfg)));
+        let client = match tokio::time::timeout_at(deadline, connect).await {
+            Ok(c) => c.map_err(map_err)?,
+            Err(_) => return Err(silent()),
+        };
         let backend = EtcdBackend {
             client: Arc::new(RwLock::new((client, 0))),
             login: cfg.auth.as_ref().map(|_| {
@@ -370,12 +404,34 @@ impl EtcdBackend {
             request_timeout: cfg.request_timeout,
         };
         // Probe: a bounded read proves the cluster answers (and has a leader for
-        // linearizable reads) before the daemon commits to using it.
+        // linearizable reads) before the daemon commits to using it. During an election a
+        // member without a leader drops the read, and the member that was leader refuses
+        // connections: each attempt is abandoned after PROBE_ATTEMPT and sent again, to
+        // whichever member answers, until the deadline. The last error is what is reported
+        // (a refused certificate says so, not just "no answer").
         let probe = RangeRequest::key(cfg.probe_key.clone())
             .limit(1)
             .keys_only();
-        backend.range(probe).await?;
-        Ok(backend)
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let err =
+                match tokio::time::timeout(left.min(PROBE_ATTEMPT), backend.range(probe.clone()))
+                    .await
+                {
+                    Ok(Ok(_)) => return Ok(backend),
+                    Ok(Err(e @ KvError::Unavailable(_))) => e,
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => silent(),
+                };
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if !cfg.probe_retry || left <= pause {
+                return Err(err);
+            }
+            log::debug!("etcd probe: {err}; trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(400));
+        }
     }
 
     fn current(&self) -> (Client, u64) {
@@ -441,6 +497,13 @@ impl EtcdBackend {
         Ok(())
     }
 }
+
+/// How long one probe attempt waits: longer than any healthy etcd takes for a key-only
+/// read of one key, shorter than a member without a leader keeps a read it dropped.
+const PROBE_ATTEMPT: Duration = Duration::from_secs(1);
+
+/// The words of an etcd that said nothing at all.
+const SILENT: &str = "did not answer";
 
 /// What to check when a TLS connection failed without etcd saying why.
 fn tls_hint(cfg: &EtcdConfig, e: &KvError) -> &'static str {
@@ -780,6 +843,36 @@ mod tests {
         assert!(matches!(
             map_err(status(tonic::Code::Unavailable, "connection refused")),
             KvError::Unavailable(_)
+        ));
+    }
+
+    /// An election's refusals are retried like an unreachable etcd, whatever gRPC code
+    /// etcd gives them.
+    #[test]
+    fn election_refusals_are_unavailable() {
+        for (code, msg) in [
+            (tonic::Code::FailedPrecondition, "etcdserver: not leader"),
+            (tonic::Code::Unavailable, "etcdserver: leader changed"),
+            (tonic::Code::Unavailable, "etcdserver: no leader"),
+            (tonic::Code::Unknown, "raft proposal dropped"),
+            (tonic::Code::Unavailable, "etcdserver: proposal dropped"),
+            (
+                tonic::Code::ResourceExhausted,
+                "etcdserver: too many requests",
+            ),
+            (tonic::Code::Unavailable, "etcdserver: request timed out"),
+        ] {
+            assert!(
+                matches!(map_err(status(code, msg)), KvError::Unavailable(_)),
+                "{msg}"
+            );
+        }
+        assert!(matches!(
+            map_err(status(
+                tonic::Code::InvalidArgument,
+                "etcdserver: duplicate key given in txn request"
+            )),
+            KvError::Invalid(_)
         ));
     }
 

@@ -394,6 +394,17 @@ pub trait KvBackend: Send + Sync {
     fn range(&self, req: RangeRequest) -> BoxFut<'_, Result<RangeResponse, KvError>>;
     /// Runs a transaction.
     fn txn(&self, txn: Txn) -> BoxFut<'_, Result<TxnResponse, KvError>>;
+    /// Runs a transaction its caller made idempotent: sent again after etcd did not
+    /// answer, it gives the outcome of one application. Typically its compares fail on a
+    /// second application (or accept what the first one did) and its branches read back
+    /// what the caller needs to tell "done now" from "done already". A backend that rides
+    /// out etcd's outages ([`crate::patient::Patient`]) resends it within its budget;
+    /// the default sends it once, like [`KvBackend::txn`]. Never for a transaction that a
+    /// second application would change further: those go through [`KvBackend::txn`], and
+    /// a lost answer is decided by the caller (the pipeline's commit markers) or reported.
+    fn txn_idempotent(&self, txn: Txn) -> BoxFut<'_, Result<TxnResponse, KvError>> {
+        self.txn(txn)
+    }
     /// Grants a lease with the requested TTL.
     fn lease_grant(&self, ttl_s: i64) -> BoxFut<'_, Result<LeaseGrant, KvError>>;
     /// Refreshes a lease; returns the remaining TTL, or `LeaseNotFound` if it expired.

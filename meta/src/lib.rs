@@ -78,6 +78,7 @@ pub mod fence;
 pub mod format;
 pub mod keys;
 pub mod kv;
+pub mod lossy;
 pub mod model;
 pub mod patient;
 pub mod pipeline;

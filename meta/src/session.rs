@@ -96,16 +96,25 @@ impl Session {
         let grant = kv.lease_grant(cfg.ttl_s).await?;
         let id = SessionId(u64::try_from(grant.id).map_err(|_| MetaError::Invalid("lease id"))?);
         let key = keys.member(id);
+        // Idempotent: sent again after a lost answer, the compare fails on the record the
+        // first copy put, and the failure branch reads it back: under our lease, it is ours.
         let t = Txn {
             compares: vec![Compare::absent(key.clone())],
             success: vec![TxnOp::Put(PutOp {
-                key,
+                key: key.clone(),
                 value: rec.encode(),
                 lease: grant.id,
             })],
-            failure: vec![],
+            failure: vec![TxnOp::Range(RangeRequest::key(key))],
         };
-        if !kv.txn(t).await?.succeeded {
+        let r = kv.txn_idempotent(t).await?;
+        let ours = r.succeeded
+            || matches!(
+                r.responses.first(),
+                Some(crate::kv::TxnOpResponse::Range(rr))
+                    if rr.kvs.first().is_some_and(|kv| kv.lease == grant.id)
+            );
+        if !ours {
             // Lease ids are unique while alive, so a leftover key means a bug elsewhere.
             let _ = kv.lease_revoke(grant.id).await;
             return Err(MetaError::Exists);
@@ -164,7 +173,8 @@ impl Session {
     }
 
     /// Claims an allocation group. `Ok(true)` if this session owns it now (newly or
-    /// already), `Ok(false)` if another live session does.
+    /// already), `Ok(false)` if another live session does. Idempotent (resent after a lost
+    /// answer): a claim that finds the group already ours reads that back as success.
     pub async fn claim_group(&self, group: GroupId) -> Result<bool, MetaError> {
         let key = self.keys.group(group);
         let owner = Owner { session: self.id }.encode();
@@ -177,7 +187,7 @@ impl Session {
             })],
             failure: vec![TxnOp::Range(RangeRequest::key(key))],
         };
-        let r = self.kv.txn(t).await?;
+        let r = self.kv.txn_idempotent(t).await?;
         if r.succeeded {
             return Ok(true);
         }
@@ -201,24 +211,27 @@ impl Session {
             success: vec![TxnOp::Put(put)],
             failure: vec![],
         };
-        self.kv.txn(t).await?;
+        // Putting the same record twice asks once: the owners' watch sees a second put,
+        // which asks again for nothing more.
+        self.kv.txn_idempotent(t).await?;
         Ok(())
     }
 
-    /// Withdraws [`Session::want_space`].
+    /// Withdraws [`Session::want_space`]. Idempotent: a delete of nothing is nothing.
     pub async fn space_found(&self) -> Result<(), MetaError> {
         let t = Txn {
             compares: vec![],
             success: vec![TxnOp::delete(self.keys.space_wanted(self.id))],
             failure: vec![],
         };
-        self.kv.txn(t).await?;
+        self.kv.txn_idempotent(t).await?;
         Ok(())
     }
 
     /// Revokes the lease of a session that is known dead although its lease has not run
     /// out (a daemon of this host killed before it could close it): its groups and
-    /// membership go at once instead of a TTL later.
+    /// membership go at once instead of a TTL later. Idempotent: a lease already gone
+    /// (revoked by an attempt whose answer was lost, or expired) is what was asked for.
     pub async fn revoke_dead(&self, dead: SessionId) -> Result<(), MetaError> {
         let lease = i64::try_from(dead.0).map_err(|_| MetaError::Invalid("lease id"))?;
         match self.kv.lease_revoke(lease).await {
@@ -227,15 +240,31 @@ impl Session {
         }
     }
 
-    /// Gives a group back (only if this session owns it).
+    /// Gives a group back (only if this session owns it): `Ok(true)` once this session no
+    /// longer owns it. Idempotent: sent again after a lost answer, it finds the group no
+    /// longer ours (released by the first copy) and that is success; the delete is fenced
+    /// on our ownership, so it never releases a group someone else claimed meanwhile.
     pub async fn release_group(&self, group: GroupId) -> Result<bool, MetaError> {
         let key = self.keys.group(group);
         let t = Txn {
             compares: vec![self.group_fence(group)],
-            success: vec![TxnOp::delete(key)],
-            failure: vec![],
+            success: vec![TxnOp::delete(key.clone())],
+            failure: vec![TxnOp::Range(RangeRequest::key(key))],
         };
-        Ok(self.kv.txn(t).await?.succeeded)
+        let r = self.kv.txn_idempotent(t).await?;
+        if !r.succeeded {
+            let owner = match r.responses.first() {
+                Some(crate::kv::TxnOpResponse::Range(rr)) => {
+                    rr.kvs.first().map(|kv| kv.value.clone())
+                }
+                _ => None,
+            };
+            log::debug!(
+                "group {}: not ours any more when given back (owner record {owner:?})",
+                group.0
+            );
+        }
+        Ok(true)
     }
 
     /// A compare that holds only while this session owns `group`: add it to commits

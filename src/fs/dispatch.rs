@@ -529,6 +529,7 @@ impl Handler for EtcFs {
             ("etcd_unanswered_applied".into(), m.unanswered_applied),
             ("etcd_unanswered_resent".into(), m.unanswered_resent),
             ("etcd_read_retries".into(), m.read_retries),
+            ("etcd_write_retries".into(), m.write_retries),
             ("free_map_writes_failed".into(), m.free_maps_failed),
             ("waiter_queue_refused".into(), self.pool.refused()),
             ("dir_times_coalesced".into(), m.touches_coalesced),

@@ -316,7 +316,8 @@ impl Inner {
                         success: vec![meta::kv::TxnOp::delete(evict_key)],
                         ..Default::default()
                     };
-                    kv.txn(t).await?;
+                    // A delete: idempotent.
+                    kv.txn_idempotent(t).await?;
                     Ok(())
                 })
             }) {

@@ -56,6 +56,8 @@ mod files;
 mod held;
 mod locks;
 mod lookup;
+#[cfg(test)]
+mod lossy_tests;
 mod namespace;
 mod open;
 mod plocks;
@@ -822,10 +824,14 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
                     }
                     i.commit_aged();
                     i.unhold_idle(false);
+                    let second = waited.as_millis() % 1000 < step.as_millis();
+                    if second {
+                        i.retry_releases();
+                    }
                     if i.read_only {
                         continue;
                     }
-                    if waited.as_millis() % 1000 < step.as_millis() {
+                    if second {
                         i.fold_released();
                     }
                     if i.space_wanted.swap(false, Ordering::AcqRel) {

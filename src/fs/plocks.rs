@@ -241,6 +241,11 @@ struct State {
     /// owner is the description, and no FLUSH names it); the process-owned ones among them
     /// went at the FLUSH of every close before it.
     by_fh: HashMap<u64, (u64, HashSet<u64>)>,
+    /// Holders whose release (at a close) etcd did not take: their locks stay in etcd,
+    /// where they would keep every other node waiting until this one unmounts. Retried
+    /// from housekeeping ([`Inner::retry_releases`]) until etcd takes them; forgotten when
+    /// the holder locks the file again (its next close releases it).
+    unreleased: HashSet<(u64, u64, bool)>,
     stopping: bool,
 }
 
@@ -332,6 +337,7 @@ impl Plocks {
         let mut s = self.state();
         s.holders.clear();
         s.by_fh.clear();
+        s.unreleased.clear();
         drop(s);
         lock(&self.known).clear();
         self.changed.notify_all();
@@ -379,7 +385,9 @@ impl Plocks {
     }
 
     fn forget_holder(&self, ino: u64, owner: u64, flock: bool) {
-        self.state().holders.remove(&(ino, owner, flock));
+        let mut s = self.state();
+        s.holders.remove(&(ino, owner, flock));
+        s.unreleased.remove(&(ino, owner, flock));
     }
 
     fn register(&self, unique: u64, ino: u64) -> Result<Waiter<'_>, Errno> {
@@ -540,6 +548,19 @@ impl Inner {
 
     /// One SETLK (or one attempt of a SETLKW) of `owner` on `ino`.
     fn set_once(&self, ino: u64, owner: u64, want: &Want) -> Result<Round, Errno> {
+        self.set_once_if(ino, owner, want, false)
+    }
+
+    /// [`Inner::set_once`]; with `only_unreleased`, only if `owner`'s release is still to
+    /// be retried (checked under the file's shard, which its own lock requests take too:
+    /// a retry never drops a lock the owner took again after its failed release).
+    fn set_once_if(
+        &self,
+        ino: u64,
+        owner: u64,
+        want: &Want,
+        only_unreleased: bool,
+    ) -> Result<Round, Errno> {
         let (session, lease) = self.lock_session()?;
         let me = Holder {
             session: session.0,
@@ -548,6 +569,17 @@ impl Inner {
         };
         let keys = self.meta.keys().clone();
         let _one = self.plocks.shard(ino);
+        {
+            let mut s = self.plocks.state();
+            if only_unreleased && !s.unreleased.contains(&(ino, owner, want.flock)) {
+                return Ok(Round::Done);
+            }
+            if want.lock.is_some() {
+                // It locks again: what its failed release left is its own again, and its
+                // next close releases it all.
+                s.unreleased.remove(&(ino, owner, want.flock));
+            }
+        }
         // What this node last knew of the file's locks, if anything; a conflict found in
         // it is checked against a fresh read before it is believed.
         let mut known = super::lock(&self.plocks.known).remove(&ino);
@@ -624,8 +656,13 @@ impl Inner {
                     RangeRequest::range(all.start, all.end).limit(LOCKS_PER_FILE_MAX),
                 )],
             };
+            // Idempotent, so resent through an etcd election: a second copy of one that
+            // applied finds our own keys newer than the read and is refused, with the
+            // fresh set, in which the next round finds nothing left to change (`Done`);
+            // an unlock of keys already deleted compares only our remaining keys and
+            // deletes nothing more.
             let resp = run_read(&self.meta, move |kv, _| {
-                Box::pin(async move { Ok(kv.txn(t).await?) })
+                Box::pin(async move { Ok(kv.txn_idempotent(t).await?) })
             })
             .map_err(|e| errno::meta(&e))?;
             if resp.succeeded {
@@ -768,7 +805,42 @@ impl Inner {
             Ok(_) => Errno::EAGAIN,
             Err(e) => e,
         };
-        log::warn!("releasing the locks of owner {owner:#x} on inode {ino}: {e:?}");
+        let mut s = self.plocks.state();
+        // Within the holders' bound: every unreleased holder is still a holder.
+        if s.holders.contains(&(ino, owner, flock)) {
+            s.unreleased.insert((ino, owner, flock));
+        }
+        drop(s);
+        log::warn!(
+            "releasing the locks of owner {owner:#x} on inode {ino}: {e:?} (retried until \
+             etcd takes it)"
+        );
+    }
+
+    /// Retries the releases etcd did not take (see `State::unreleased`); a failure is
+    /// left for the next call.
+    pub(super) fn retry_releases(&self) {
+        let todo: Vec<(u64, u64, bool)> = self.plocks.state().unreleased.iter().copied().collect();
+        for (ino, owner, flock) in todo {
+            let all = Want {
+                flock,
+                start: 0,
+                end: u64::MAX,
+                lock: None,
+                pid: 0,
+            };
+            match self.set_once_if(ino, owner, &all, true) {
+                Ok(Round::Done) => log::info!(
+                    "released the locks of owner {owner:#x} on inode {ino} (left by a \
+                     failed release)"
+                ),
+                Ok(_) => {}
+                Err(e) => {
+                    log::debug!("retrying the release of owner {owner:#x} on {ino}: {e:?}");
+                    return;
+                }
+            }
+        }
     }
 
     /// Unmount: deletes every lock this node holds (the lease's end would, later).
@@ -792,8 +864,9 @@ impl Inner {
                 success: ops,
                 failure: vec![],
             };
+            // Deletes only: idempotent.
             if let Err(e) = run_read(&self.meta, move |kv, _| {
-                Box::pin(async move { Ok(kv.txn(t).await?.succeeded) })
+                Box::pin(async move { Ok(kv.txn_idempotent(t).await?.succeeded) })
             }) {
                 log::warn!("deleting this node's locks at unmount: {e}");
             }

@@ -68,9 +68,14 @@ pub(super) fn mount(kv: &Arc<MemEtcd>, dev: &MemDev) -> EtcFs {
 }
 
 fn mount_with(kv: &Arc<MemEtcd>, dev: &MemDev, opts: &CacheOpts) -> EtcFs {
+    mount_on(kv.clone(), dev, opts)
+}
+
+/// A mount whose etcd is `kv` (the model, or something in front of it).
+pub(super) fn mount_on(kv: Arc<dyn KvBackend>, dev: &MemDev, opts: &CacheOpts) -> EtcFs {
     let clock = Arc::new(SystemClock::new());
     let p = Pipeline::start_deferred(
-        connect_backend(kv.clone() as Arc<dyn KvBackend>),
+        connect_backend(kv),
         Keyspace::new("t").unwrap(),
         clock,
         meta::pipeline::Config {
@@ -1412,6 +1417,17 @@ fn a_free_across_two_groups_returns_both_parts() {
             span.len,
             "{ag} whole again after the unlink"
         );
+    }
+}
+
+/// A second mount of the filesystem `fx` serves, talking to its etcd through `kv`.
+pub(super) fn second_mount_on(fx: &Fx, kv: Arc<dyn KvBackend>) -> Fx {
+    Fx {
+        fs: mount_on(kv, &fx.dev, &CacheOpts::uniform(Duration::from_secs(1))),
+        kv: fx.kv.clone(),
+        dev: fx.dev.clone(),
+        out: vec![0; 2 << 20],
+        unique: 1,
     }
 }
 

@@ -294,6 +294,13 @@ pub(crate) const DESCS: &[Desc] = &[
         "Reads retried after etcd did not answer.",
     ),
     counter(
+        "etcd_write_retries",
+        "etcfs_etcd_write_retries",
+        &[],
+        "Idempotent writes outside commits (cache and fcntl locks, group claims, session \
+         and lease calls) sent again after etcd did not answer.",
+    ),
+    counter(
         "free_map_writes_failed",
         "etcfs_free_map_writes_failed",
         &[],

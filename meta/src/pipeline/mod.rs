@@ -161,6 +161,9 @@ pub struct Stats {
     pub unanswered_resent: AtomicU64,
     /// Reads retried after etcd did not answer.
     pub read_retries: AtomicU64,
+    /// Idempotent writes outside the pipeline's commits (cache and fcntl locks, group
+    /// claims, session and lease calls) sent again after etcd did not answer.
+    pub write_retries: AtomicU64,
     /// Free-map writes that deleted released records and failed (each makes its groups'
     /// maps unsafe to write under the session).
     pub free_maps_failed: AtomicU64,
@@ -212,6 +215,8 @@ pub struct StatsSnapshot {
     pub unanswered_resent: u64,
     /// See [`Stats::read_retries`].
     pub read_retries: u64,
+    /// See [`Stats::write_retries`].
+    pub write_retries: u64,
     /// See [`Stats::free_maps_failed`].
     pub free_maps_failed: u64,
 }
@@ -266,6 +271,7 @@ impl Stats {
             unanswered_applied: l(&self.unanswered_applied),
             unanswered_resent: l(&self.unanswered_resent),
             read_retries: l(&self.read_retries),
+            write_retries: l(&self.write_retries),
             free_maps_failed: l(&self.free_maps_failed),
         }
     }
@@ -498,11 +504,12 @@ impl Pipeline {
                         return;
                     }
                 };
-                // Everyone else's reads ride out a short outage; the committer decides
-                // its own (see commit.rs, marker.rs).
-                let patient: Arc<dyn KvBackend> = Arc::new(crate::patient::PatientReads::new(
+                // Everyone else's reads and idempotent writes ride out a short outage;
+                // the committer decides its own (see commit.rs, marker.rs).
+                let patient: Arc<dyn KvBackend> = Arc::new(crate::patient::Patient::new(
                     backend.clone(),
                     c2.unanswered_budget,
+                    s2.clone(),
                 ));
                 let _ = ready_tx.send(Ok((rt.handle().clone(), patient)));
                 let mut c2 = c2;
