@@ -374,6 +374,7 @@ def report(path):
     env = os.environ
     targets = env["TARGETS"].split()
     names = {"raw": "raw file", "uring": "etcfs uring", "devfuse": "etcfs devfuse",
+             "uring-nospin": "etcfs uring, `--device-spin-us 0`",
              "probe": "probe (ring, ASYNC_DIO)", "probe-sync": "probe as shipped (sync DIO)"}
 
     def med(k):

@@ -29,7 +29,8 @@
 #
 # usage: benches/latency_budget.sh [--rounds R] [--fio-secs S] [--trace-secs S]
 #            [--fio-size SIZE] [--engine io_uring|psync]
-#            [--targets "raw uring devfuse probe probe-sync"]
+#            [--targets "raw uring uring-nospin devfuse probe probe-sync"] (uring-nospin: etcfs
+#            uring with --device-spin-us 0)
 #            [--etcd-port P] [--no-build] [--etcfs PATH] [--write-doc] [--results FILE]
 #            [--keep-traces DIR]
 # --results keeps the raw per-round figures (KEY VALUE lines) in FILE; the report can be
@@ -43,7 +44,7 @@ FIO_SECS=5
 TRACE_SECS=2
 FIO_SIZE=512M
 ENGINE=io_uring
-TARGETS="raw uring devfuse probe probe-sync"
+TARGETS="raw uring uring-nospin devfuse probe probe-sync"
 ETCD_PORT=""
 BUILD=1
 ETCFS_ARG=""
@@ -147,7 +148,7 @@ need() { # COMMAND PACKAGE
 }
 need fio fio
 need python3 python3
-[[ " $TARGETS " == *" uring "* || " $TARGETS " == *" devfuse "* ]] && { need etcd etcd-server; need etcdctl etcd-client; }
+[[ " $TARGETS " == *" uring"* || " $TARGETS " == *" devfuse "* ]] && { need etcd etcd-server; need etcdctl etcd-client; }
 
 [ -e /sys/kernel/tracing/events ] || mount -t tracefs nodev /sys/kernel/tracing ||
 	die "no tracefs at /sys/kernel/tracing"
@@ -208,14 +209,14 @@ if [ -b "$BLOCK_DEV" ]; then
 		BLOCK_DEV=/dev/$disk
 	fi
 fi
-[ -n "$DEVT" ] || [[ " $TARGETS " != *" raw "* && " $TARGETS " != *" uring "* && " $TARGETS " != *" devfuse "* ]] ||
+[ -n "$DEVT" ] || [[ " $TARGETS " != *" raw "* && " $TARGETS " != *" uring"* && " $TARGETS " != *" devfuse "* ]] ||
 	die "$IMGDIR is not on a block device (findmnt says ${BLOCK_DEV:-nothing}): no block tracepoints to watch"
 
 # --- etcd, the filesystem, the files -------------------------------------------------------
 
 ETCD_URL=""
 PREFIX=latency
-if [[ " $TARGETS " == *" uring "* || " $TARGETS " == *" devfuse "* ]]; then
+if [[ " $TARGETS " == *" uring"* || " $TARGETS " == *" devfuse "* ]]; then
 	if [ -z "$ETCD_PORT" ]; then
 		port_free() { ! ss -Htln "sport = :$1" 2>/dev/null | grep -q .; }
 		for _ in $(seq 100); do
@@ -235,11 +236,15 @@ if [[ " $TARGETS " == *" uring "* || " $TARGETS " == *" devfuse "* ]]; then
 fi
 
 # Which server (pid) serves $MNT now; its threads are the "worker" side of the trace.
-start_etcfs() { # TRANSPORT [OPTION...]
-	local transport=$1 served=""
+# start_etcfs TARGET [OPTION...]: uring, devfuse, or uring-nospin (uring with
+# --device-spin-us 0: the worker sleeps through every device read instead of spinning).
+start_etcfs() {
+	local target=$1 transport=$1 served=""
 	shift
-	mount_etcfs "$ETCFS" "$ETCD_URL" "$DEV_IMG" "$PREFIX" "$MNT" "$WORK/daemon-$transport.log" \
-		--transport "$transport" "$@" || die "mount failed"
+	local opts=()
+	[ "$target" != uring-nospin ] || { transport=uring; opts=(--device-spin-us 0); }
+	mount_etcfs "$ETCFS" "$ETCD_URL" "$DEV_IMG" "$PREFIX" "$MNT" "$WORK/daemon-$target.log" \
+		--transport "$transport" "${opts[@]}" "$@" || die "mount failed"
 	SERVER_PID=${pids[-1]}
 	for _ in $(seq 50); do
 		served=$("$ETCFS" stats "$MNT" --json 2>/dev/null | grep -o '"transport":"[^"]*"' || true)
@@ -400,7 +405,7 @@ traced() { # TARGET KIND: fio with the tracepoints on, then the timeline
 	echo >"$INST/trace"
 }
 
-perf_pass() { # TRANSPORT
+perf_pass() { # TARGET
 	start_etcfs "$1" --perf
 	"$ETCFS" stats "$MNT" --reset >/dev/null
 	run_fio "$1" perf "$FIO_SECS"
@@ -422,7 +427,7 @@ for round in $(seq "$ROUNDS"); do
 			run_fio raw plain "$FIO_SECS"
 			traced raw raw
 			;;
-		uring | devfuse)
+		uring | devfuse | uring-nospin)
 			start_etcfs "$target"
 			run_fio "$target" plain "$FIO_SECS"
 			traced "$target" fuse-dev
@@ -435,7 +440,7 @@ for round in $(seq "$ROUNDS"); do
 			traced "$target" fuse
 			stop_server
 			;;
-		*) die "unknown target $target (raw, uring, devfuse, probe, probe-sync)" ;;
+		*) die "unknown target $target (raw, uring, uring-nospin, devfuse, probe, probe-sync)" ;;
 		esac
 	done
 done
