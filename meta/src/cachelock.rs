@@ -549,8 +549,14 @@ mod tests {
         assert_eq!(k.holders, vec![(SessionId(3), Some(Shared))]);
     }
 
-    #[test]
-    fn two_sessions_share_then_one_waits_for_exclusive() {
+    /// A model etcd and two sessions' cache locks on it.
+    fn two_sessions() -> (
+        Arc<MemEtcd>,
+        Arc<dyn KvBackend>,
+        Keyspace,
+        CacheLocks,
+        CacheLocks,
+    ) {
         let clock = Arc::new(ManualClock::new(crate::types::Timespec {
             sec: 1_000_000,
             nsec: 0,
@@ -566,6 +572,12 @@ mod tests {
                 CacheLocks::new(kv.clone(), keys.clone(), SessionId(lb as u64), lb),
             )
         });
+        (etcd, kv, keys, a, b)
+    }
+
+    #[test]
+    fn two_sessions_share_then_one_waits_for_exclusive() {
+        let (_, kv, keys, a, b) = two_sessions();
         let ino = Ino(42);
         block_on(async {
             use LockMode::*;
@@ -612,21 +624,7 @@ mod tests {
 
     #[test]
     fn share_many_grants_the_free_files_and_skips_a_writers() {
-        let clock = Arc::new(ManualClock::new(crate::types::Timespec {
-            sec: 1_000_000,
-            nsec: 0,
-        }));
-        let etcd = Arc::new(MemEtcd::new(clock));
-        let kv: Arc<dyn KvBackend> = etcd.clone();
-        let keys = Keyspace::new("t").expect("prefix");
-        let (a, b) = block_on(async {
-            let la = kv.lease_grant(10).await.expect("lease").id;
-            let lb = kv.lease_grant(10).await.expect("lease").id;
-            (
-                CacheLocks::new(kv.clone(), keys.clone(), SessionId(la as u64), la),
-                CacheLocks::new(kv.clone(), keys.clone(), SessionId(lb as u64), lb),
-            )
-        });
+        let (etcd, _, keys, a, b) = two_sessions();
         block_on(async {
             use LockMode::*;
             // 1: b writes it; 2: b reads it; 3: free; 4: a holds it already.
