@@ -382,3 +382,122 @@ async fn a_bulk_shared_grant_with_its_answer_lost_is_granted_once() {
     w.lost_all();
     assert!(holders(&w, Ino(1)).await.is_empty());
 }
+
+/// A free-map write that also deletes released records has its answer lost, and etcd then
+/// refuses writes for longer than an application's budget (a second election, say): the
+/// pipeline goes on deciding it by its marker past that budget, so the fold is found
+/// applied and the node does not fence itself. An application's create caught the same
+/// way still fails within its budget. (CI saw the fold given up at 5 s and the node fence
+/// itself in the etcd leader-kill test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_with_a_lost_answer_is_decided_past_the_applications_budget() {
+    use meta::{
+        clock::Clock,
+        codec::{Owner, Record, SuperRecord},
+        format::{format, RootOwner},
+        pipeline::{Config, Mutation, NewInode, Pipeline},
+        types::FileType,
+    };
+    let w = world();
+    let sb = SuperRecord {
+        uuid: [1; 16],
+        format_version: 1,
+        block_size: 4096,
+        group_size: 1 << 26,
+        group_count: 16,
+        device_size: 1 << 30,
+        created: Timespec::new(1_700_000_000, 0),
+    };
+    let root = RootOwner {
+        uid: 0,
+        gid: 0,
+        perm: 0o755,
+    };
+    format(&*w.etcd, &w.keys, &sb, root, sb.created, false)
+        .await
+        .unwrap();
+    let wire: Arc<dyn KvBackend> = w.lossy.clone();
+    let connect: meta::pipeline::Connect = Box::new(move || Box::pin(async move { Ok(wire) }));
+    let (keys, clock, etcd, lossy) = (
+        w.keys.clone(),
+        w.clock.clone(),
+        w.etcd.clone(),
+        w.lossy.clone(),
+    );
+    // Nine refusals take the marker's decision past 2 s (pauses of 50 ms doubling to
+    // 400 ms), beyond the 1 s an application waits.
+    let outage = Losses {
+        txns: 1,
+        refused_txns: 9,
+        ..Default::default()
+    };
+    tokio::task::spawn_blocking(move || {
+        let p = Pipeline::start_deferred(
+            connect,
+            keys.clone(),
+            clock as Arc<dyn Clock>,
+            Config {
+                unanswered_budget: Duration::from_secs(1),
+                unanswered_fold_budget: Duration::from_secs(30),
+                ..Config::default()
+            },
+        )
+        .unwrap();
+        let client = p.client();
+        let session = p.register_session(&SessionConfig::new("a")).unwrap();
+        let g = GroupId(3);
+        let released = 3 << 26;
+        etcd.put_raw(
+            &keys.group(g),
+            &Owner {
+                session: session.id(),
+            }
+            .encode(),
+        );
+        etcd.put_raw(&keys.released(released), b"r");
+        lossy.set_losses(outage);
+        let folded = client.commit(Mutation::FreeMaps {
+            maps: vec![(g, b"folded".to_vec())],
+            released: vec![released],
+        });
+        assert!(folded.is_ok(), "{folded:?}");
+        assert_eq!(lossy.losses_left(), Losses::default(), "every loss used");
+        assert_eq!(client.unsafe_maps_session(), None, "no reason to fence");
+        let stats = client.stats();
+        assert_eq!(
+            (stats.unanswered_applied, stats.free_maps_failed),
+            (1, 0),
+            "decided applied"
+        );
+        let read = |k: Vec<u8>| etcd.dump(&k, &[k.clone(), vec![0]].concat());
+        assert_eq!(read(keys.free_map(g))[0].1, b"folded");
+        assert!(read(keys.released(released)).is_empty());
+
+        let create = |name: &[u8]| Mutation::Create {
+            parent: Ino::ROOT,
+            name: name.to_vec(),
+            inode: NewInode::root_owned(FileType::Regular, 0o644),
+            symlink: None,
+            hold: false,
+        };
+        // Inode numbers reserved first, so that the create's own commit is the one lost.
+        client.commit(create(b"warm")).unwrap();
+        lossy.set_losses(outage);
+        let started = std::time::Instant::now();
+        let created = client.commit(create(b"f"));
+        assert!(
+            matches!(created, Err(meta::error::MetaError::Unavailable(_))),
+            "{created:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "an application's budget stays short: {:?}",
+            started.elapsed()
+        );
+        lossy.set_losses(Losses::default());
+        drop(session);
+        drop(p);
+    })
+    .await
+    .unwrap();
+}

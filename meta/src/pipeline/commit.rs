@@ -580,7 +580,7 @@ impl Committer {
         let Mutation::FreeMaps { maps, released } = &w.m else {
             return;
         };
-        if released.is_empty() || matches!(e, MetaError::UnsafeFreeMap { .. }) {
+        if !w.m.fails_unsafe() || matches!(e, MetaError::UnsafeFreeMap { .. }) {
             return;
         }
         // Entries of an older session are moot: it commits nothing any more.
@@ -1000,7 +1000,16 @@ impl Committer {
                         log::warn!("etcd did not answer a commit ({e}); deciding it by its marker");
                         self.stats.txns_unanswered.fetch_add(1, Ordering::Relaxed);
                         let (kv, keys) = (self.kv.clone(), self.keys.clone());
-                        let budget = self.cfg.unanswered_budget;
+                        // An election can outlast an application's budget; a fold given
+                        // up too early would fence the node for nothing.
+                        let fold = members
+                            .iter()
+                            .any(|m| self.works.get(&m.id).is_some_and(|w| w.m.fails_unsafe()));
+                        let budget = if fold {
+                            self.cfg.unanswered_fold_budget
+                        } else {
+                            self.cfg.unanswered_budget
+                        };
                         self.tasks.spawn(async move {
                             let result =
                                 marker::resolve(&*kv, &keys, sent.session, seq, budget).await;
@@ -1099,10 +1108,7 @@ impl Committer {
                         self.markers
                             .hold(seq, self.elapsed() + marker::GIVEN_UP_HOLD);
                         self.stats.txn_errors.fetch_add(1, Ordering::Relaxed);
-                        log::error!(
-                            "the outcome of a commit stays unknown after {:?}: {e}",
-                            self.cfg.unanswered_budget
-                        );
+                        log::error!("the outcome of a commit stays unknown: {e}");
                         for m in members {
                             self.finish(m.id, Err(e.clone().into()));
                         }

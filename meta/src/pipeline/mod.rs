@@ -84,6 +84,10 @@ pub struct Config {
     /// retried (and the lost answer decided, see `marker.rs`) before the mutation fails
     /// with `Unavailable`: long enough to ride out an etcd leader election.
     pub unanswered_budget: std::time::Duration,
+    /// [`Config::unanswered_budget`] for a transaction holding a mutation whose failure
+    /// fences the node ([`Mutation::fails_unsafe`]): etcd must stay unreachable for
+    /// longer than the session's lease before such a fold is given up.
+    pub unanswered_fold_budget: std::time::Duration,
     /// How long a registered session waits for a commit's answer before deciding it by
     /// its marker (a proposal lost with a dead leader is otherwise waited out for the
     /// whole request timeout).
@@ -112,6 +116,7 @@ impl Default for Config {
             groups: None,
             registered: false,
             unanswered_budget: std::time::Duration::from_secs(5),
+            unanswered_fold_budget: std::time::Duration::from_secs(60),
             commit_answer_wait: std::time::Duration::from_secs(2),
             read_only: false,
         }

@@ -355,6 +355,13 @@ impl Mutation {
         maps.iter().map(|(g, _)| *g)
     }
 
+    /// Whether failing this mutation fences the node: a free-map write that also deletes
+    /// released records (see `Committer::unsafe_maps`). Nobody but housekeeping waits on
+    /// one, so a lost answer is decided for longer than an application's budget.
+    pub fn fails_unsafe(&self) -> bool {
+        matches!(self, Mutation::FreeMaps { released, .. } if !released.is_empty())
+    }
+
     /// Short name for logs and stats.
     pub fn kind_name(&self) -> &'static str {
         match self {
