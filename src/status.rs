@@ -166,8 +166,18 @@ pub(crate) fn connect(
             KvError::Auth(_) => anyhow!("{e}"),
             e => anyhow!("cannot reach etcd: {e}"),
         })?;
-    Ok(Arc::new(b))
+    // Reads and idempotent writes are sent again through an etcd election, as the
+    // daemon's are; an operator's command should not fail for a second's outage.
+    Ok(Arc::new(meta::patient::Patient::new(
+        Arc::new(b),
+        COMMAND_RETRY_BUDGET,
+        Arc::default(),
+    )))
 }
+
+/// How long a command resends what etcd did not answer (an election takes a second or
+/// two).
+const COMMAND_RETRY_BUDGET: Duration = Duration::from_secs(5);
 
 /// A runtime for the etcd client (one thread: this is a command, not the daemon).
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -1290,10 +1300,11 @@ pub(crate) fn evict(cfg: &EtcdConfig, prefix: &str, node: &str, force: bool) -> 
         })],
         ..Default::default()
     };
-    rt.block_on(kv.txn(put))
+    // A put of a fixed value and a delete: applying either twice is applying it once.
+    rt.block_on(kv.txn_idempotent(put))
         .with_context(|| format!("asking {} to give up its session", describe_node(target)))?;
     let withdraw = |kv: &Arc<dyn KvBackend>| {
-        let _ = rt.block_on(kv.txn(meta::kv::Txn {
+        let _ = rt.block_on(kv.txn_idempotent(meta::kv::Txn {
             success: vec![meta::kv::TxnOp::delete(ask.clone())],
             ..Default::default()
         }));

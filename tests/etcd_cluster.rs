@@ -23,7 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{can_run, digest, errno_of, next_id, run_ok, EtcdCluster, TestFs};
+use common::{can_run, digest, errno_of, next_id, run_bounded, run_ok, EtcdCluster, TestFs, ETCFS};
 
 fn content(i: usize) -> Vec<u8> {
     (0..16 * 1024).map(|j| ((i * 31 + j) % 251) as u8).collect()
@@ -373,6 +373,26 @@ fn killing_the_etcd_leader_reaches_no_lock_shared_open_or_mount() {
                 Err(e) => c_errors.push(format!("c reading s0: {e}")),
             }
             c = Some(node);
+        } else {
+            // An operator's command during the election: its reads are resent too.
+            let t = Instant::now();
+            let (out, in_time) = run_bounded(
+                Command::new(ETCFS).args([
+                    "status",
+                    "--etcd",
+                    &fs.endpoints,
+                    "--prefix",
+                    &fs.prefix,
+                ]),
+                Duration::from_secs(20),
+            );
+            eprintln!("etcfs status during the election took {:?}", t.elapsed());
+            if !in_time || !out.status.success() {
+                c_errors.push(format!(
+                    "etcfs status during the election: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
         }
         thread::sleep(Duration::from_secs(4));
         etcd.run(leader);

@@ -119,6 +119,23 @@ impl Patient {
         }
     }
 
+    /// One call on the inner backend, sent again as [`Patient::retry`] says.
+    fn resend<T, C>(
+        &self,
+        kind: Kind,
+        what: &'static str,
+        call: C,
+    ) -> BoxFut<'_, Result<T, KvError>>
+    where
+        T: Send + 'static,
+        C: Fn(Arc<dyn KvBackend>) -> BoxFut<'static, Result<T, KvError>> + Send + Sync + 'static,
+    {
+        Box::pin(async move {
+            let inner = self.inner.clone();
+            self.retry(kind, what, || call(inner.clone())).await.0
+        })
+    }
+
     fn resend_txn(&self, kind: Kind, txn: Txn) -> BoxFut<'_, Result<TxnResponse, KvError>> {
         Box::pin(async move {
             let inner = self.inner.clone();
@@ -144,14 +161,9 @@ fn read_only(txn: &Txn) -> bool {
 
 impl KvBackend for Patient {
     fn range(&self, req: RangeRequest) -> BoxFut<'_, Result<RangeResponse, KvError>> {
-        Box::pin(async move {
-            let inner = self.inner.clone();
-            self.retry(Kind::Read, "read", || {
-                let (inner, req) = (inner.clone(), req.clone());
-                Box::pin(async move { inner.range(req).await })
-            })
-            .await
-            .0
+        self.resend(Kind::Read, "read", move |kv| {
+            let req = req.clone();
+            Box::pin(async move { kv.range(req).await })
         })
     }
 
@@ -172,28 +184,16 @@ impl KvBackend for Patient {
     }
 
     fn lease_grant(&self, ttl_s: i64) -> BoxFut<'_, Result<LeaseGrant, KvError>> {
-        Box::pin(async move {
-            let inner = self.inner.clone();
-            self.retry(Kind::Write, "lease grant", || {
-                let inner = inner.clone();
-                Box::pin(async move { inner.lease_grant(ttl_s).await })
-            })
-            .await
-            .0
+        self.resend(Kind::Write, "lease grant", move |kv| {
+            Box::pin(async move { kv.lease_grant(ttl_s).await })
         })
     }
 
     fn lease_keepalive(&self, id: i64) -> BoxFut<'_, Result<i64, KvError>> {
         // The session's keeper bounds this by its fence: a renewal acknowledged after the
         // fence closed is of no use.
-        Box::pin(async move {
-            let inner = self.inner.clone();
-            self.retry(Kind::Write, "lease renewal", || {
-                let inner = inner.clone();
-                Box::pin(async move { inner.lease_keepalive(id).await })
-            })
-            .await
-            .0
+        self.resend(Kind::Write, "lease renewal", move |kv| {
+            Box::pin(async move { kv.lease_keepalive(id).await })
         })
     }
 
@@ -224,19 +224,29 @@ impl KvBackend for Patient {
     }
 
     fn lease_time_to_live(&self, id: i64) -> BoxFut<'_, Result<LeaseTtl, KvError>> {
-        self.inner.lease_time_to_live(id)
+        self.resend(Kind::Read, "lease read", move |kv| {
+            Box::pin(async move { kv.lease_time_to_live(id).await })
+        })
     }
 
+    // Answered by whichever member the request reaches: `etcfs status` during an
+    // election met the dead leader's refused connection (tests/etcd_cluster.rs).
     fn member_list(&self) -> BoxFut<'_, Result<Vec<ClusterMember>, KvError>> {
-        self.inner.member_list()
+        self.resend(Kind::Read, "member list", |kv| {
+            Box::pin(async move { kv.member_list().await })
+        })
     }
 
     fn status(&self) -> BoxFut<'_, Result<ClusterStatus, KvError>> {
-        self.inner.status()
+        self.resend(Kind::Read, "status", |kv| {
+            Box::pin(async move { kv.status().await })
+        })
     }
 
     fn alarms(&self) -> BoxFut<'_, Result<Vec<Alarm>, KvError>> {
-        self.inner.alarms()
+        self.resend(Kind::Read, "alarm list", |kv| {
+            Box::pin(async move { kv.alarms().await })
+        })
     }
 }
 
