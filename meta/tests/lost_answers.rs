@@ -6,6 +6,8 @@
 //! once), and a write that is not idempotent must still be sent once and reported.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
+mod common;
+
 use std::{sync::Arc, time::Duration};
 
 use meta::{
@@ -393,29 +395,12 @@ async fn a_bulk_shared_grant_with_its_answer_lost_is_granted_once() {
 async fn a_fold_with_a_lost_answer_is_decided_past_the_applications_budget() {
     use meta::{
         clock::Clock,
-        codec::{Owner, Record, SuperRecord},
-        format::{format, RootOwner},
+        codec::{Owner, Record},
         pipeline::{Config, Mutation, NewInode, Pipeline},
         types::FileType,
     };
     let w = world();
-    let sb = SuperRecord {
-        uuid: [1; 16],
-        format_version: 1,
-        block_size: 4096,
-        group_size: 1 << 26,
-        group_count: 16,
-        device_size: 1 << 30,
-        created: Timespec::new(1_700_000_000, 0),
-    };
-    let root = RootOwner {
-        uid: 0,
-        gid: 0,
-        perm: 0o755,
-    };
-    format(&*w.etcd, &w.keys, &sb, root, sb.created, false)
-        .await
-        .unwrap();
+    common::format_model(&w.etcd, &w.keys).await;
     let wire: Arc<dyn KvBackend> = w.lossy.clone();
     let connect: meta::pipeline::Connect = Box::new(move || Box::pin(async move { Ok(wire) }));
     let (keys, clock, etcd, lossy) = (

@@ -3,6 +3,8 @@
 //! corrupt values, an unreachable etcd.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
+mod common;
+
 use std::{
     collections::HashSet,
     sync::Arc,
@@ -12,7 +14,7 @@ use std::{
 use meta::{
     clock::{Clock, ManualClock},
     codec::Dentry,
-    codec::{InodeAttr, Record, SuperRecord},
+    codec::{InodeAttr, Record},
     error::MetaError,
     etcd::{EtcdBackend, EtcdConfig},
     format::{format, RootOwner},
@@ -23,31 +25,14 @@ use meta::{
     types::{FileType, Ino, SessionId, Timespec},
 };
 
-const T0: Timespec = Timespec::new(1_700_000_000, 0);
-
-fn sb() -> SuperRecord {
-    SuperRecord {
-        uuid: [1; 16],
-        format_version: 1,
-        block_size: 4096,
-        group_size: 1 << 26,
-        group_count: 16,
-        device_size: 1 << 30,
-        created: T0,
-    }
-}
+use common::T0;
 
 async fn formatted(clock: Arc<ManualClock>) -> (Arc<MemEtcd>, Keyspace) {
     let kv = Arc::new(MemEtcd::new(clock));
     let keys = Keyspace::new("fs").unwrap();
-    let root = RootOwner {
-        uid: 0,
-        gid: 0,
-        perm: 0o755,
-    };
-    format(&*kv, &keys, &sb(), root, T0, false).await.unwrap();
+    common::format_model(&kv, &keys).await;
     assert_eq!(
-        format(&*kv, &keys, &sb(), root, T0, false).await,
+        format(&*kv, &keys, &common::superblock(), common::ROOT, T0, false).await,
         Err(MetaError::Exists)
     );
     (kv, keys)
@@ -545,7 +530,7 @@ fn pipeline_on_real_etcd() {
         .unwrap()
         .as_nanos();
     let keys = Keyspace::new(&format!("etcfs-test-{nanos:x}")).unwrap();
-    let (k2, sb2) = (keys.clone(), sb());
+    let (k2, sb2) = (keys.clone(), common::superblock());
     let connect: meta::pipeline::Connect = Box::new(move || {
         Box::pin(async move {
             let kv = EtcdBackend::connect(&EtcdConfig::new(eps)).await?;

@@ -7,6 +7,8 @@
 //! The seed is printed; `META_LOSSY_SEED=<n>` replays its fault coins.
 #![allow(clippy::unwrap_used, clippy::panic)]
 
+mod common;
+
 use std::{
     collections::BTreeSet,
     sync::{Arc, Mutex},
@@ -15,9 +17,7 @@ use std::{
 
 use meta::{
     clock::{Clock, ManualClock},
-    codec::SuperRecord,
     error::{KvError, MetaError},
-    format::{format, RootOwner},
     keys::{KeyKind, Keyspace},
     kv::{
         BoxFut, KvBackend, LeaseGrant, RangeRequest, RangeResponse, Txn, TxnOp, TxnResponse,
@@ -26,11 +26,11 @@ use meta::{
     model::MemEtcd,
     pipeline::{Config, Mutation, NewInode, Pipeline, RenameMode},
     session::SessionConfig,
-    types::{FileType, Ino, Timespec},
+    types::{FileType, Ino},
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
-const T0: Timespec = Timespec::new(1_700_000_000, 0);
+use common::T0;
 
 /// What the network does to write transactions, per mille.
 #[derive(Clone, Copy)]
@@ -151,21 +151,7 @@ async fn run(seed: u64, odds: Odds) -> (BTreeSet<String>, BTreeSet<String>, usiz
     let clock = Arc::new(ManualClock::new(T0));
     let etcd = Arc::new(MemEtcd::new(clock.clone()));
     let keys = Keyspace::new("fs").unwrap();
-    let sb = SuperRecord {
-        uuid: [1; 16],
-        format_version: 1,
-        block_size: 4096,
-        group_size: 1 << 26,
-        group_count: 16,
-        device_size: 1 << 30,
-        created: T0,
-    };
-    let root = RootOwner {
-        uid: 0,
-        gid: 0,
-        perm: 0o755,
-    };
-    format(&*etcd, &keys, &sb, root, T0, false).await.unwrap();
+    common::format_model(&etcd, &keys).await;
     let lossy = Arc::new(Lossy {
         etcd: etcd.clone(),
         odds,
