@@ -454,6 +454,19 @@ impl CacheLocks {
         Ok(())
     }
 
+    /// Deletes this session's key of `ino` if it is still the one put at `rev` (a grant
+    /// the node does not know it holds); true when it was. A grant since stays.
+    pub async fn drop_stray(&self, ino: Ino, rev: i64) -> Result<bool, MetaError> {
+        let key = self.keys.cache_lock(ino, self.me);
+        let t = Txn {
+            compares: vec![Compare::mod_rev(key.clone(), rev)],
+            success: vec![TxnOp::delete(key)],
+            failure: vec![],
+        };
+        // Twice is once: the second finds the key gone (and says false).
+        Ok(self.kv.txn_idempotent(t).await?.succeeded)
+    }
+
     /// Gives the lock up (nothing if not held).
     pub async fn release(&self, ino: Ino) -> Result<(), MetaError> {
         let t = Txn {

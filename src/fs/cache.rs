@@ -279,6 +279,8 @@ pub(crate) struct MissCounters {
     pub cache_lock_waits: AtomicU64,
     pub cache_locks_released: AtomicU64,
     pub cache_locks_downgraded: AtomicU64,
+    /// Keys of ours deleted that this node did not know it held (late grants).
+    pub cache_locks_strays: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -906,6 +908,7 @@ impl Caches {
             ("cache_locks_taken".into(), l(&n.cache_locks_taken)),
             ("cache_lock_waits".into(), l(&n.cache_lock_waits)),
             ("cache_locks_released".into(), l(&n.cache_locks_released)),
+            ("cache_locks_strays".into(), l(&n.cache_locks_strays)),
             (
                 "cache_locks_downgraded".into(),
                 l(&n.cache_locks_downgraded),

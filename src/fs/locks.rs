@@ -49,7 +49,10 @@
 
 use std::{
     collections::HashMap,
-    sync::atomic::Ordering::Relaxed,
+    sync::atomic::{
+        AtomicUsize,
+        Ordering::{Relaxed, SeqCst},
+    },
     sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -192,6 +195,12 @@ pub(crate) struct LockTable {
     fence: Arc<meta::fence::Fence>,
     jobs: Sender<Job>,
     jobs_rx: Mutex<Option<Receiver<Job>>>,
+    /// Creates of regular files in flight: each puts its file's lock in its own
+    /// transaction, which this node records only once the create returns.
+    creates: AtomicUsize,
+    /// Keys of ours the watch saw put for files not held here (see [`LockTable::put_seen`]),
+    /// with the revision of the put and when it was seen.
+    strays: Mutex<HashMap<u64, (i64, Instant)>>,
     /// How long a lock just granted is kept before giving way (`--lock-min-hold-ms`): a
     /// node taking turns with another on one file gets more done per turn instead of
     /// bouncing the lock on every operation (GFS2 holds a glock 200 ms by default), and
@@ -202,6 +211,21 @@ pub(crate) struct LockTable {
 fn covers(ranges: &[Range], r: Range) -> bool {
     ranges.iter().any(|&(s, e)| s < r.1 && r.0 < e)
 }
+
+/// A create of a regular file in flight (see [`LockTable::creating`]).
+pub(crate) struct Creating<'a>(&'a AtomicUsize);
+
+impl Drop for Creating<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, SeqCst);
+    }
+}
+
+/// Unknown keys of ours remembered at once; more are left (and logged).
+const STRAYS_MAX: usize = 1024;
+/// How long an unknown key waits for a moment with no create in flight before it is
+/// left alone (logged): its node's lease ends it at the latest.
+const STRAY_PATIENCE: Duration = Duration::from_secs(60);
 
 /// The page-aligned cover of a byte range.
 fn pages(r: Range) -> Range {
@@ -246,7 +270,38 @@ impl LockTable {
             fence,
             jobs: tx,
             jobs_rx: Mutex::new(Some(rx)),
+            creates: AtomicUsize::new(0),
+            strays: Mutex::new(HashMap::new()),
             min_hold,
+        }
+    }
+
+    /// Counts a create of a regular file in flight until the guard drops (after
+    /// [`LockTable::created`]).
+    pub(crate) fn creating(&self) -> Creating<'_> {
+        self.creates.fetch_add(1, SeqCst);
+        Creating(&self.creates)
+    }
+
+    /// The watch saw our key of `ino` put at `rev`. A key this node does not know it
+    /// holds is a grant that applied after the node stopped waiting for it: a resent
+    /// request's abandoned first attempt arriving late (see `meta::patient`), after the
+    /// resend's lock was used and released. Other nodes would wait for a release that
+    /// never comes; [`Inner::drop_strays`] deletes it. The put of a create in flight is
+    /// not recorded yet and looks the same: it is told apart there.
+    pub(crate) fn put_seen(&self, ino: u64, rev: i64) {
+        let unknown = self.get(ino).is_none_or(|e| {
+            let s = e.lock();
+            s.held.is_none() && !s.acquiring && !s.releasing && !s.refreshing
+        });
+        if !unknown {
+            return;
+        }
+        let mut strays = self.strays.lock().unwrap_or_else(PoisonError::into_inner);
+        if strays.len() < STRAYS_MAX {
+            strays.insert(ino, (rev, Instant::now()));
+        } else {
+            log::warn!("inode {ino}: an unknown lock of ours in etcd not looked at (too many)");
         }
     }
 
@@ -1061,6 +1116,54 @@ impl Inner {
     }
 
     /// Gives back the locks over [`LOCKS_MAX`] (housekeeping).
+    /// Deletes the unknown keys of ours the watch saw put (see [`LockTable::put_seen`]),
+    /// each compared on the revision of that put, so a grant made since stays. Only
+    /// with no create in flight: a create's key is put by its transaction before it is
+    /// recorded here, and a create that started after the put cannot be the one that made
+    /// it (the watch saw it first). Ones a create could still own wait for the next call.
+    pub(super) fn drop_strays(&self) {
+        let due: Vec<(u64, i64, Instant)> = {
+            let strays = super::lock(&self.locks.strays);
+            if strays.is_empty() {
+                return;
+            }
+            strays.iter().map(|(&i, &(r, t))| (i, r, t)).collect()
+        };
+        for (ino, rev, seen) in due {
+            if self.locks.creates.load(SeqCst) > 0 {
+                if seen.elapsed() > STRAY_PATIENCE {
+                    log::warn!(
+                        "inode {ino}: a lock of ours in etcd this node does not hold stays \
+                         (creates kept running); other nodes wait for it until the lease ends"
+                    );
+                    super::lock(&self.locks.strays).remove(&ino);
+                }
+                continue;
+            }
+            super::lock(&self.locks.strays).remove(&ino);
+            // Marked as being taken while the key goes, so no acquire overlaps it.
+            let Some(e) = self.locks.claim_unheld(ino) else {
+                continue;
+            };
+            let l = self.locks.etcd();
+            let r = super::run_read(&self.meta, move |_, _| {
+                Box::pin(async move { l.drop_stray(Ino(ino), rev).await })
+            });
+            match r {
+                Ok(true) => {
+                    log::info!("inode {ino}: deleted a lock of ours granted after its wait ended");
+                    self.caches.n.cache_locks_strays.fetch_add(1, Relaxed);
+                }
+                Ok(false) => {}
+                Err(err) => log::warn!("inode {ino}: deleting an unknown lock of ours: {err}"),
+            }
+            e.lock().acquiring = false;
+            e.cv.notify_all();
+            drop(e);
+            self.locks.prune(ino);
+        }
+    }
+
     pub(super) fn trim_locks(&self) {
         for ino in self.locks.over_bound(|ino| self.files.get(ino).is_some()) {
             if let Some(e) = self.locks.get(ino) {

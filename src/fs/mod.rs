@@ -827,6 +827,7 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
                     let second = waited.as_millis() % 1000 < step.as_millis();
                     if second {
                         i.retry_releases();
+                        i.drop_strays();
                     }
                     if i.read_only {
                         continue;

@@ -45,6 +45,7 @@ impl Inner {
                 perm |= 0o2000;
             }
         }
+        let creating = (kind == FileType::Regular).then(|| self.locks.creating());
         let out = self.commit(Mutation::Create {
             parent: Ino(parent),
             name: name.to_vec(),
@@ -73,6 +74,7 @@ impl Inner {
                 self.op_session(),
             );
         }
+        drop(creating);
         Ok((out.attr.ok_or(Errno::EIO)?, out.revision.0))
     }
 

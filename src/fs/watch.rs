@@ -357,6 +357,9 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
                     .map(|c| c.mode)
             });
             i.locks.holders_changed(ino.0, rev, holder, mode);
+            if holder == i.locks.me() && put {
+                i.locks.put_seen(ino.0, rev);
+            }
             if holder == i.locks.me() && !put && i.locks.lost(ino.0, rev) {
                 // Deleted with its file by another node: nothing cached stays.
                 i.caches.forget_attr(ino.0);

@@ -545,6 +545,13 @@ pub(crate) const DESCS: &[Desc] = &[
         "Cluster cache locks this node gave up.",
     ),
     counter(
+        "cache_locks_strays",
+        "etcfs_cache_lock_strays",
+        &[],
+        "Cluster cache locks of this node found in etcd although it did not hold them (a \
+         grant applied after its request was given up) and deleted.",
+    ),
+    counter(
         "cache_locks_downgraded",
         "etcfs_cache_lock_downgrades",
         &[],
