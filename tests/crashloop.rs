@@ -3,8 +3,10 @@
 //! overwrites, truncates, fsyncs), every file changed from both nodes in turn (so its
 //! cluster lock moves between them), and one node is killed with SIGKILL at a seeded
 //! random moment; the survivor goes on, waiting for the dead node's locks. The killed node is mounted again; every byte an fsync
-//! acknowledged must be there (bytes written after a file's last fsync may be old or new),
-//! and `etcfs fsck` must find the filesystem clean, then, both nodes unmounted at the end,
+//! acknowledged must be there (bytes written after a file's last fsync may be old or new;
+//! a file the killed node changed since its last fsync is left alone after the kill, since
+//! those writes may have been behind and lost with it, and the survivor's fsync would not
+//! cover them), and `etcfs fsck` must find the filesystem clean, then, both nodes unmounted at the end,
 //! clean offline too.
 //!
 //! `CRASHLOOP_CYCLES` (default 3, the CI form) and `CRASHLOOP_SEED` (default: from the
@@ -63,8 +65,13 @@ struct FileState {
     maybe_renamed: Option<String>,
     /// Created by an operation in flight when the node died: it may not exist.
     maybe_absent: bool,
-    /// The killed node's operation on it was in flight: nobody changes it any more.
+    /// The killed node's operation on it was in flight, or the killed node changed it
+    /// since its last fsync: nobody changes it any more.
     retired: bool,
+    /// Which nodes changed the data or size since the last fsync. A node killed meanwhile
+    /// may have had those writes behind, lost with it: a later fsync on the other node
+    /// makes durable only what that node sees, so it proves nothing of them.
+    changed_by: [bool; 2],
     /// The last operations on it (worker, operation, size after), for a failure's report.
     history: Vec<String>,
 }
@@ -82,6 +89,7 @@ impl FileState {
             maybe_renamed: None,
             maybe_absent: true,
             retired: false,
+            changed_by: [false; 2],
             history: Vec::new(),
         }
     }
@@ -96,6 +104,7 @@ impl FileState {
     fn synced_now(&mut self) {
         self.synced = self.current.clone();
         self.dirty.clear();
+        self.changed_by = [false; 2];
         self.min_len = self.synced.len() as u64;
     }
 
@@ -141,15 +150,23 @@ fn retry_enoent<T>(mut f: impl FnMut() -> std::io::Result<T>) -> std::io::Result
     }
 }
 
-/// One worker: changes the cycle's files at random, from its node.
+/// Whether a node other than `node` was killed after changing the file since its last
+/// fsync (see [`FileState::changed_by`]).
+fn lost_with_a_killed_node(f: &FileState, node: usize, killed: &[Arc<AtomicBool>; 2]) -> bool {
+    (0..2).any(|m| m != node && f.changed_by[m] && killed[m].load(Ordering::SeqCst))
+}
+
+/// One worker: changes the cycle's files at random, from its node (`node`, 0 or 1).
+#[allow(clippy::too_many_arguments, reason = "one worker's setup, passed once")]
 fn worker(
     mnt: PathBuf,
     dir: String,
     id: String,
+    node: usize,
     seed: u64,
     pool: Pool,
     stop: Arc<AtomicBool>,
-    killed: Arc<AtomicBool>,
+    killed: [Arc<AtomicBool>; 2],
 ) {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut n = 0u64;
@@ -170,6 +187,16 @@ fn worker(
         let mut f = file.lock().unwrap();
         if f.retired || (op != 0 && f.maybe_absent) {
             continue;
+        }
+        // The killed node's writes behind may be gone: what the file holds is only known
+        // within the dirty ranges (an append here would start past its real end, and
+        // zero the tail of its real EOF block, bytes an fsync here would then "prove").
+        if lost_with_a_killed_node(&f, node, &killed) {
+            f.retired = true;
+            continue;
+        }
+        if op != 1 && op < 5 {
+            f.changed_by[node] = true;
         }
         let r: std::io::Result<()> = (|| {
             match op {
@@ -229,20 +256,32 @@ fn worker(
                 _ => {
                     retry_enoent(|| OpenOptions::new().write(true).open(path(&f.name)))?
                         .sync_all()?;
+                    // Checked after it returned: a kill during it may have lost the other
+                    // node's writes before this node took the file's lock.
+                    if lost_with_a_killed_node(&f, node, &killed) {
+                        f.retired = true;
+                        return Ok(());
+                    }
                     f.synced_now();
                 }
             }
             Ok(())
         })();
         let len = f.current.len();
+        let after = if killed.iter().any(|k| k.load(Ordering::SeqCst)) {
+            " (after the kill)"
+        } else {
+            ""
+        };
+        let retired = if f.retired { ", file retired" } else { "" };
         let what = match &r {
-            Ok(()) => format!("{id} op {op} ok, size {len}"),
-            Err(e) => format!("{id} op {op} failed ({e}), size {len} if it had not"),
+            Ok(()) => format!("{id} op {op} ok, size {len}{after}{retired}"),
+            Err(e) => format!("{id} op {op} failed ({e}), size {len} if it had not{after}"),
         };
         f.log(what);
         if let Err(e) = r {
             assert!(
-                killed.load(Ordering::SeqCst),
+                killed[node].load(Ordering::SeqCst),
                 "worker {id}: operation {op} on {} failed on a live node: {e}",
                 f.name
             );
@@ -274,8 +313,9 @@ fn fsck(fs: &TestFs) -> (i32, Value) {
 }
 
 /// Whether leaked blocks fail the run (`CRASHLOOP_STRICT=1`, as scripts/crashloop.sh
-/// runs it). Otherwise they are reported loudly and repaired at the end: a leak source
-/// without released records is still open (docs/benchmarks.md, "Crash loops").
+/// runs it). Otherwise they are reported loudly and repaired at the end: some leaks are
+/// by design (docs/key-schema.md, "Freed space": a crash right after a blind free of a
+/// file with more extents than one transaction reads), so CI only reports them.
 fn strict() -> bool {
     std::env::var("CRASHLOOP_STRICT").as_deref() == Ok("1")
 }
@@ -283,8 +323,9 @@ fn strict() -> bool {
 /// What leaked blocks meant when this loop first found them (seed 1, cycle 0): a node freed
 /// blocks in a group another node owned (a released record, `R`), the owner rewrote the
 /// group's map for an allocation before folding the record and was killed, and the next
-/// load dropped the record as older than the map. Loads apply every record since; a leak
-/// now is a new bug.
+/// load dropped the record as older than the map. Loads apply every record since. The
+/// next (seed 3693456343, no record left) was a fold's note swallowing a later own free of
+/// the same blocks. A leak now is a new bug.
 const LEAK: &str = "blocks used in a free map by no file and no released record";
 
 /// The findings of a report other than leaked blocks (those too when strict).
@@ -411,13 +452,13 @@ fn kill_one_of_two_nodes_then_fsync_d_data_is_there_and_fsck_is_clean() {
                     mnt.clone(),
                     dir.clone(),
                     stop.clone(),
-                    killed[ni].clone(),
+                    killed.clone(),
                     pool.clone(),
                 );
                 let id = format!("n{ni}w{w}");
                 let wseed = seed ^ (cycle << 32) ^ ((ni * 16 + w) as u64);
                 handles.push(thread::spawn(move || {
-                    worker(mnt, dir, id, wseed, pool, stop, killed)
+                    worker(mnt, dir, id, ni, wseed, pool, stop, killed)
                 }));
             }
         }
@@ -489,7 +530,7 @@ fn kill_one_of_two_nodes_then_fsync_d_data_is_there_and_fsck_is_clean() {
     }
     loud(&format!(
         "crashloop: {cycles} cycles in {:.1} s (seed {seed}): fsync'd data intact; fsck clean \
-         but for {leaks} leaked block range(s) of the known bug at the end",
+         but for {leaks} leaked block range(s) tolerated (and repaired) at the end",
         t_start.elapsed().as_secs_f64()
     ));
 }

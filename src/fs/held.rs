@@ -39,7 +39,10 @@
 //!   folded after a pipeline flush and a fresh read under the allocator lock, so that
 //!   none of its own in-flight frees can be folded twice. A record written by its own
 //!   commit whose bookkeeping had not yet run when it was folded is remembered
-//!   ([`Held::folded`]), and that bookkeeping then skips it.
+//!   ([`Held::folded`]) by its revision, and that bookkeeping (of the commit at that
+//!   revision, the one that wrote it) then skips it. Matched by range alone, a fold of
+//!   another node's record also swallowed this node's later frees of the same blocks
+//!   handed out again, for the minute it was kept: leaked blocks with no record left.
 //!
 //! # Cost
 //!
@@ -64,8 +67,8 @@ use super::*;
 /// Stripes of per-inode open counts (inodes in one stripe serialize their first opens and
 /// last closes: a round trip each).
 const STRIPES: usize = 256;
-/// How long a range folded from another node's released record is remembered (the own
-/// bookkeeping it guards against runs within milliseconds of its commit).
+/// How long a range folded from a released record is remembered (the own bookkeeping it
+/// guards against runs within milliseconds of its commit).
 const FOLDED_KEEP: Duration = Duration::from_secs(60);
 /// Folded ranges remembered at most.
 const FOLDED_MAX: usize = 65536;
@@ -104,8 +107,9 @@ pub(crate) struct Held {
     unholds: Box<[AtomicU64]>,
     /// Records kept after the last close, over all stripes (bounded by `IDLE_HOLDS_MAX`).
     idle: AtomicUsize,
-    /// Ranges folded from released records of groups this node owns, with when.
-    folded: Mutex<VecDeque<(Extent, Instant)>>,
+    /// Ranges folded from released records of groups this node owns: the record's
+    /// revision (that of the commit that wrote it), and when.
+    folded: Mutex<VecDeque<(Extent, i64, Instant)>>,
     /// Released records of this node's groups seen at the last look: offset → revision.
     seen: Mutex<HashMap<u64, i64>>,
     /// Where the orphan scan resumes: after this key (None: from the first record).
@@ -192,27 +196,29 @@ impl Held {
         }
     }
 
-    /// Remembers a range folded from a released record.
-    pub(super) fn note_folded(&self, e: Extent) {
+    /// Remembers a range folded from a released record whose mod revision is `revision`.
+    pub(super) fn note_folded(&self, e: Extent, revision: i64) {
         let mut f = lock(&self.folded);
         let now = Instant::now();
         while f
             .front()
-            .is_some_and(|(_, t)| now.duration_since(*t) > FOLDED_KEEP)
+            .is_some_and(|(_, _, t)| now.duration_since(*t) > FOLDED_KEEP)
             || f.len() >= FOLDED_MAX
         {
             f.pop_front();
         }
-        f.push_back((e, now));
+        f.push_back((e, revision, now));
     }
 
-    /// Whether `e` (freed by this node's own commit) was folded already from its released
-    /// record; it is forgotten then (each fold answers one free).
-    pub(crate) fn take_folded(&self, e: Extent) -> bool {
+    /// Whether `e`, freed by this node's own commit at `revision`, was folded already from
+    /// the released record that commit wrote; it is forgotten then (each fold answers one
+    /// free). Only that commit's record counts: the same blocks folded from an earlier
+    /// record (another node's free) may have been handed out and freed again since.
+    pub(crate) fn take_folded(&self, e: Extent, revision: i64) -> bool {
         let mut f = lock(&self.folded);
         let hit = f
             .iter()
-            .position(|(x, _)| x.start.0 < e.end() && e.start.0 < x.end());
+            .position(|(x, rev, _)| *rev == revision && x.start.0 < e.end() && e.start.0 < x.end());
         hit.and_then(|i| f.remove(i)).is_some()
     }
 }
@@ -445,7 +451,7 @@ impl Inner {
         let mut groups = BTreeSet::new();
         let mut folded = Vec::new();
         for off in candidates {
-            let Some((_, len)) = fresh.get(&off) else {
+            let Some(&(rev, len)) = fresh.get(&off) else {
                 continue;
             };
             let ext = Extent::new(off / BLOCK_SIZE, len / BLOCK_SIZE);
@@ -462,7 +468,7 @@ impl Inner {
             match a.free(ext) {
                 Ok(gs) => {
                     groups.extend(gs);
-                    self.held.note_folded(ext);
+                    self.held.note_folded(ext, rev);
                     folded.push(off);
                 }
                 // Already free here: the record is stale; it goes with the map below.

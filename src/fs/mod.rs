@@ -1095,7 +1095,7 @@ impl Inner {
             self.data_counters
                 .frees_unlogged
                 .fetch_add(unlogged, Ordering::Relaxed);
-            self.release_blocks(&out.freed, &out.released);
+            self.release_blocks(&out.freed, &out.released, out.revision.0);
         }
     }
 

@@ -94,11 +94,13 @@ impl Inner {
     /// groups this node owns, deleting the released records (`R`) the freeing commit logged
     /// for them in the same transaction. A crash before that leaves the records, which the
     /// next node to load the group applies (see [`Inner::try_claim`]); blocks in groups
-    /// other nodes own are left to them the same way.
+    /// other nodes own are left to them the same way. `revision` is the freeing commit's
+    /// (its records have it), 0 for none.
     pub(super) fn release_blocks(
         &self,
         freed: &[meta::pipeline::DevRange],
         released: &[meta::pipeline::DevRange],
+        revision: i64,
     ) {
         // Blocks in a group nobody owns (its node died) are ours to return: claim the
         // group first, which loads its authoritative free map (and applies our records).
@@ -156,8 +158,10 @@ impl Inner {
                 }
                 continue;
             }
-            if self.held.take_folded(part) {
-                // Folded from its released record before we got here (`fold_released`).
+            if self.held.take_folded(part, revision) {
+                // Folded from this commit's released record before we got here
+                // (`fold_released`, a hand-back or a claim): freeing it again could free
+                // blocks handed out since.
                 done.push(range);
                 continue;
             }
@@ -377,7 +381,10 @@ impl Inner {
             };
             match meta::codec::decode_at::<meta::codec::Released>(keys, &kv.key, &kv.value) {
                 Ok(r) => {
-                    apply.push(Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE));
+                    apply.push((
+                        Extent::new(off / BLOCK_SIZE, r.len / BLOCK_SIZE),
+                        kv.mod_revision,
+                    ));
                     fold.push(off);
                 }
                 // Its length is unknown: the range stays used (leaked), the record stays
@@ -402,8 +409,13 @@ impl Inner {
             },
         };
         let mut map = map;
-        for e in apply {
+        for (e, rev) in apply {
             map.free_lenient(e);
+            // A record of one of our own commits whose bookkeeping has not run yet: it
+            // must not free the range again once the blocks may be handed out.
+            if e.len > 0 {
+                self.held.note_folded(e, rev);
+            }
         }
         let mut a = lock(&self.alloc);
         if let Err(e) = a.load_group(map).and_then(|()| a.own(AgId(g))) {
@@ -795,7 +807,7 @@ impl Inner {
                 }
                 match a.free(ext) {
                     Ok(_) => {
-                        self.held.note_folded(ext);
+                        self.held.note_folded(ext, kv.mod_revision);
                         folded.push(off);
                     }
                     Err(AllocError::DoubleFree { .. }) => folded.push(off),
