@@ -1166,6 +1166,7 @@ impl Inner {
     /// Makes the kernel ask for `ino`'s attributes again (not its pages): for changes it
     /// cannot know of, made outside a request about them.
     pub(super) fn drop_kernel_attrs(&self, ino: u64) {
+        self.forget_plus_given(std::iter::once(ino));
         let n = lock(&self.notifier)
             .clone()
             .or_else(|| PROCESS_NOTIFIER.get().cloned());

@@ -684,9 +684,12 @@ fn readdirplus_leaves_out_what_the_kernel_was_just_given() {
     }
     let second = list(&mut fx);
     assert!(second.values().all(|&n| n == 0), "{second:?}");
-    // The kernel forgot f03; f05's lock was given up and taken again.
+    // The kernel forgot f03; f05's lock was given up and taken again; f07's attributes
+    // were dropped from the kernel.
     let f03 = inos[&b"f03"[..]];
     let f05 = inos[&b"f05"[..]];
+    let f07 = inos[&b"f07"[..]];
+    fx.fs.inner().drop_kernel_attrs(f07);
     assert!(matches!(
         fx.call(f03, Operation::Forget { nlookup: 1 }),
         Reply::None
@@ -696,8 +699,9 @@ fn readdirplus_leaves_out_what_the_kernel_was_just_given() {
     let third = list(&mut fx);
     assert_eq!(third[&b"f03"[..]], f03);
     assert_eq!(third[&b"f05"[..]], f05);
+    assert_eq!(third[&b"f07"[..]], f07);
     let whole: Vec<_> = third.iter().filter(|(_, &n)| n != 0).collect();
-    assert_eq!(whole.len(), 2, "{whole:?}");
+    assert_eq!(whole.len(), 3, "{whole:?}");
 }
 
 /// `find` reads a directory whole, then looks its files up in name order: after a few
