@@ -152,9 +152,9 @@ const LOOKUP_STREAK: u32 = 4;
 const LOOKUP_STREAKS_MAX: usize = 256;
 /// Entries past a READDIRPLUS reply whose files' shared locks it takes with the reply's.
 const DIR_SHARE_AHEAD: usize = 1024;
-/// Inodes `Inner::plus_given` remembers; past it, it starts again (inodes then given
-/// whole once more).
-const PLUS_GIVEN_MAX: usize = 1 << 20;
+/// Inodes `Inner::plus_given` remembers (about 10 MiB); past it, it starts again
+/// (inodes then given whole once more).
+const PLUS_GIVEN_MAX: usize = 1 << 18;
 /// Bytes of names all open directories may hold read ahead of the kernel; past it a
 /// listing reads a page per READDIR (correct, slower).
 const DIR_AHEAD_BYTES_MAX: usize = 64 << 20;
