@@ -341,11 +341,13 @@ impl CacheLocks {
     /// Takes the shared lock of each of `files` that no other session holds exclusively
     /// and this one holds not at all, each file's `reads` (its inode, its extents) done
     /// at the grant: the files of a directory listing at once, so that `ls -l` does not
-    /// take one lock per stat. Two round trips: the holders of all, then one transaction
-    /// granting the free ones on the compare that their holders did not change since.
-    /// Files with a conflicting holder are left out, and a failed compare grants nothing:
-    /// their own operations take them one at a time. `None` too when the files' ops pass
-    /// [`share_many_fits`].
+    /// take one lock per stat. One round trip when no other session holds any of them
+    /// (a node listing files nobody else uses): a transaction granting all on the compare
+    /// that their other holders' ranges are empty, which reads the holders when it fails.
+    /// Then a second one grants the free files on the compare that their holders did not
+    /// change since. Files with a conflicting holder are left out, and a failed compare
+    /// grants nothing: their own operations take them one at a time. `None` too when the
+    /// files' ops pass [`share_many_fits`].
     pub async fn share_many(
         &self,
         files: &[(Ino, Vec<RangeRequest>)],
@@ -353,23 +355,41 @@ impl CacheLocks {
         if files.is_empty() || !share_many_fits(files) {
             return Ok(None);
         }
-        let read = Txn {
-            compares: vec![],
-            success: files
-                .iter()
-                .map(|(ino, _)| {
-                    let r = self.keys.cache_locks(*ino);
-                    TxnOp::Range(RangeRequest::range(r.start, r.end))
-                })
-                .collect(),
-            failure: vec![],
+        let holders_of = |ino: Ino| {
+            let r = self.keys.cache_locks(ino);
+            TxnOp::Range(RangeRequest::range(r.start, r.end))
         };
-        let seen = self.kv.txn(read).await?;
-        let value = CacheLock {
-            mode: LockMode::Shared,
+        // Nobody else holds any (our own key left out, as in `acquire` with nothing
+        // known: a grant resent after its answer was lost grants again). Reading the
+        // holders takes a round trip that etcd spent most of a cold `ls -l` on
+        // (benches/listing.sh); this node's own listings find them free.
+        let compares = files
+            .iter()
+            .flat_map(|(ino, _)| {
+                let range = self.keys.cache_locks(*ino);
+                let mine = self.keys.cache_lock(*ino, self.me);
+                [
+                    Compare::range_empty(range.start, mine.clone()),
+                    Compare::range_empty(after(&mine), range.end),
+                ]
+            })
+            .collect();
+        let all: Vec<(Ino, &[RangeRequest])> =
+            files.iter().map(|(i, r)| (*i, r.as_slice())).collect();
+        let first = self
+            .kv
+            .txn_idempotent(Txn {
+                compares,
+                success: self.grant_ops(&all),
+                failure: files.iter().map(|(ino, _)| holders_of(*ino)).collect(),
+            })
+            .await?;
+        if first.succeeded {
+            return Ok(Some(Self::granted(&all, first)));
         }
-        .encode();
-        let (mut compares, mut success, mut granted) = (Vec::new(), Vec::new(), Vec::new());
+        // Someone holds some of them: grant the free ones as the holders were read.
+        let seen = first;
+        let (mut compares, mut free) = (Vec::new(), Vec::new());
         for ((ino, reads), r) in files.iter().zip(&seen.responses) {
             let TxnOpResponse::Range(r) = r else {
                 continue;
@@ -392,50 +412,67 @@ impl CacheLocks {
                     target: CompareTarget::ModRevision(seen.revision + 1),
                 });
             }
-            success.push(TxnOp::Put(PutOp {
-                key: self.keys.cache_lock(*ino, self.me),
-                value: value.clone(),
-                lease: self.lease,
-            }));
-            // A wait of ours left by an operation that gave up on the lock is over.
-            success.push(TxnOp::delete(self.keys.cache_want(*ino, self.me)));
-            success.extend(reads.iter().cloned().map(TxnOp::Range));
-            granted.push((*ino, reads.len()));
+            free.push((*ino, reads.as_slice()));
         }
-        if granted.is_empty() {
+        if free.is_empty() {
             return Ok(None);
         }
         let resp = self
             .kv
             .txn_idempotent(Txn {
                 compares,
-                success,
+                success: self.grant_ops(&free),
                 failure: vec![],
             })
             .await?;
         if !resp.succeeded {
             return Ok(None);
         }
+        Ok(Some(Self::granted(&free, resp)))
+    }
+
+    /// The writes granting `files` shared, each followed by its reads.
+    fn grant_ops(&self, files: &[(Ino, &[RangeRequest])]) -> Vec<TxnOp> {
+        let value = CacheLock {
+            mode: LockMode::Shared,
+        }
+        .encode();
+        let mut ops = Vec::new();
+        for (ino, reads) in files {
+            ops.push(TxnOp::Put(PutOp {
+                key: self.keys.cache_lock(*ino, self.me),
+                value: value.clone(),
+                lease: self.lease,
+            }));
+            // A wait of ours left by an operation that gave up on the lock is over.
+            ops.push(TxnOp::delete(self.keys.cache_want(*ino, self.me)));
+            ops.extend(reads.iter().cloned().map(TxnOp::Range));
+        }
+        ops
+    }
+
+    /// What a transaction of [`CacheLocks::grant_ops`] of `files` granted.
+    fn granted(files: &[(Ino, &[RangeRequest])], resp: crate::kv::TxnResponse) -> SharedMany {
         let mut answers = resp.responses.into_iter();
-        let mut out = Vec::with_capacity(granted.len());
-        for (ino, n) in granted {
+        let mut out = Vec::with_capacity(files.len());
+        for (ino, reads) in files {
             // The put and the delete answer nothing of use.
             answers.next();
             answers.next();
             let reads = answers
                 .by_ref()
-                .take(n)
+                .take(reads.len())
                 .map(|r| match r {
                     TxnOpResponse::Range(r) => r,
                     _ => crate::kv::RangeResponse::default(),
                 })
                 .collect();
-            out.push((ino, reads));
+            out.push((*ino, reads));
         }
-        Ok(Some(SharedMany {
+        SharedMany {
             revision: resp.revision,
             granted: out,
-        }))
+        }
     }
 
     /// Deletes this session's keys of `inos` (at most `ETCD_TXN_OPS_MAX`): after a
@@ -668,6 +705,56 @@ mod tests {
                 .collect();
             assert!(!share_many_fits(&many));
             assert_eq!(a.share_many(&many).await.expect("share"), None);
+        });
+    }
+
+    #[test]
+    fn share_many_of_files_nobody_holds_takes_one_transaction_and_may_be_resent() {
+        let (etcd, _, keys, a, b) = two_sessions();
+        block_on(async {
+            use LockMode::*;
+            for i in 1..=3 {
+                etcd.put_raw(&keys.inode(Ino(i)), format!("attrs of {i}").as_bytes());
+            }
+            let ask: Vec<(Ino, Vec<RangeRequest>)> = (1..=3)
+                .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
+                .collect();
+            let before = etcd.txn_count();
+            let got = a.share_many(&ask).await.expect("share").expect("granted");
+            assert_eq!(
+                etcd.txn_count() - before,
+                1,
+                "no separate read of the holders"
+            );
+            let inos: Vec<u64> = got.granted.iter().map(|(i, _)| i.0).collect();
+            assert_eq!(inos, [1, 2, 3]);
+            assert_eq!(
+                got.granted[2].1[0].kvs.first().map(|kv| kv.value.clone()),
+                Some(b"attrs of 3".to_vec())
+            );
+            // The same grant sent again (its first answer lost) grants again, leaving one
+            // key per file.
+            let again = a.share_many(&ask).await.expect("share").expect("granted");
+            assert_eq!(again.granted.len(), 3);
+            let held = keys.cache_locks(Ino(2));
+            assert_eq!(etcd.dump(&held.start, &held.end).len(), 1);
+            // Held: a writer elsewhere must wait for a.
+            assert!(matches!(
+                b.acquire(Ino(2), Exclusive, None, None).await,
+                Ok(Acquired::Busy { .. })
+            ));
+            // One of them held by another reader: two transactions, all still granted.
+            let ask: Vec<(Ino, Vec<RangeRequest>)> = (5..=7)
+                .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
+                .collect();
+            assert!(matches!(
+                b.acquire(Ino(6), Shared, None, None).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            let before = etcd.txn_count();
+            let got = a.share_many(&ask).await.expect("share").expect("granted");
+            assert_eq!(etcd.txn_count() - before, 2);
+            assert_eq!(got.granted.len(), 3);
         });
     }
 }

@@ -4,7 +4,7 @@
 
 use super::*;
 use meta::reader::{DirEntry, DirPage};
-use std::collections::VecDeque;
+use std::{collections::VecDeque, time::Instant};
 
 impl Inner {
     pub(super) fn readdir(
@@ -110,6 +110,7 @@ impl Inner {
                 let pushed = match (plus, a) {
                     (false, _) => w.push(e.entry.ino.0, e.cookie, typ, &e.name),
                     (true, Some(entry)) => {
+                        let entry = self.plus_record(entry, e.entry.kind);
                         w.push_plus(&entry, e.entry.ino.0, e.cookie, typ, &e.name)
                     }
                     // Removed since the page was read: skipped.
@@ -184,6 +185,48 @@ impl Inner {
             out.push(a.map(|(a, _)| self.entry_out(&a, blocks)));
         }
         Ok(out)
+    }
+
+    /// The READDIRPLUS record of `entry`: empty (node id 0, which the kernel skips) when
+    /// a READDIRPLUS gave the kernel this inode whole within half the entry and attribute
+    /// timeouts, since when it did not FORGET it and, a regular file, its lock stayed
+    /// held (giving a lock up drops the kernel's attributes). A whole record of an inode
+    /// the kernel has makes it drop the inode's cached ACLs and list on with READDIRPLUS:
+    /// each warm `ls -l` asked every file's ACL again (20,000 GETXATTRs for 20,000 files,
+    /// found counting requests of benches/listing.sh). An empty record is never wrong:
+    /// where the kernel lacks the name after all it asks with a LOOKUP.
+    fn plus_record(&self, entry: EntryOut, kind: FileType) -> EntryOut {
+        let ino = entry.nodeid;
+        let keep = self.entry_timeout.min(self.attr_timeout) / 2;
+        let cacheable = entry.attr_valid > 0 || entry.attr_valid_nsec > 0;
+        if keep.is_zero() || ino == 0 || !cacheable {
+            return entry;
+        }
+        let now = Instant::now();
+        let mut given = lock(&self.plus_given);
+        if let Some(&at) = given.get(&ino) {
+            let lock_kept = kind != FileType::Regular
+                || self.locks.held_since(ino).is_some_and(|since| since <= at);
+            if lock_kept && now.saturating_duration_since(at) < keep {
+                return EntryOut::default();
+            }
+        }
+        if given.len() >= PLUS_GIVEN_MAX {
+            given.clear();
+        }
+        given.insert(ino, now);
+        entry
+    }
+
+    /// The kernel dropped these inodes: a READDIRPLUS gives them whole again.
+    pub(super) fn forget_plus_given(&self, inos: impl Iterator<Item = u64>) {
+        let mut given = lock(&self.plus_given);
+        if given.is_empty() {
+            return;
+        }
+        for ino in inos {
+            given.remove(&ino);
+        }
     }
 
     /// Takes the shared locks of the regular files among the next entries (those of the

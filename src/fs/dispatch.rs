@@ -86,7 +86,15 @@ impl EtcFs {
                 self.offload(ctx, out, move |i| i.lookup(ino, &name))
             }
             // No per-inode table to shrink: see the module docs.
-            Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
+            Operation::Forget { .. } => {
+                self.inner.forget_plus_given(std::iter::once(ino));
+                Reply::None
+            }
+            Operation::BatchForget { forgets } => {
+                self.inner
+                    .forget_plus_given(forgets.iter().map(|f| f.nodeid));
+                Reply::None
+            }
             Operation::Getattr { .. } => {
                 let local = match self.inner.files.try_open_attr(ino) {
                     OpenAttr::Attr(a, b) => Some((a, b)),

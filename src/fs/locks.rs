@@ -377,6 +377,16 @@ impl LockTable {
         s.held
     }
 
+    /// Since when this node holds `ino`'s lock (`None`: not held, or being given up).
+    pub(crate) fn held_since(&self, ino: u64) -> Option<Instant> {
+        let e = self.get(ino)?;
+        let s = e.st.try_lock().ok()?;
+        if s.releasing || s.held.is_none() {
+            return None;
+        }
+        s.granted_at
+    }
+
     /// A hold for a core's fast path: only when `mode` is held and nothing is in the way;
     /// never blocks.
     pub(crate) fn try_hold(&self, ino: u64, mode: LockMode) -> Option<Hold> {
@@ -1115,7 +1125,6 @@ impl Inner {
         self.hold(ino, mode, None).map(Some)
     }
 
-    /// Gives back the locks over [`LOCKS_MAX`] (housekeeping).
     /// Deletes the unknown keys of ours the watch saw put (see [`LockTable::put_seen`]),
     /// each compared on the revision of that put, so a grant made since stays. Only
     /// with no create in flight: a create's key is put by its transaction before it is
@@ -1164,6 +1173,16 @@ impl Inner {
         }
     }
 
+    /// Gives `ino`'s lock up as if another node asked for it exclusively.
+    #[cfg(test)]
+    pub(super) fn give_up(&self, ino: u64) {
+        if let Some(e) = self.locks.get(ino) {
+            e.lock().wanted = Some(LockMode::Exclusive);
+        }
+        self.give_way(ino);
+    }
+
+    /// Gives back the locks over [`LOCKS_MAX`] (housekeeping).
     pub(super) fn trim_locks(&self) {
         for ino in self.locks.over_bound(|ino| self.files.get(ino).is_some()) {
             if let Some(e) = self.locks.get(ino) {

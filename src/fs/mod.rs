@@ -152,6 +152,9 @@ const LOOKUP_STREAK: u32 = 4;
 const LOOKUP_STREAKS_MAX: usize = 256;
 /// Entries past a READDIRPLUS reply whose files' shared locks it takes with the reply's.
 const DIR_SHARE_AHEAD: usize = 1024;
+/// Inodes `Inner::plus_given` remembers (about 10 MiB); past it, it starts again
+/// (inodes then given whole once more).
+const PLUS_GIVEN_MAX: usize = 1 << 18;
 /// Bytes of names all open directories may hold read ahead of the kernel; past it a
 /// listing reads a page per READDIR (correct, slower).
 const DIR_AHEAD_BYTES_MAX: usize = 64 << 20;
@@ -542,6 +545,9 @@ pub(crate) struct Inner {
     /// Per directory, the LOOKUPs that missed in ascending name order (bounded by
     /// `LOOKUP_STREAKS_MAX` directories): see `Inner::share_following`.
     lookup_streaks: Mutex<HashMap<u64, LookupStreak>>,
+    /// When a READDIRPLUS last gave the kernel each inode whole (name, attributes that it
+    /// may cache): see `Inner::plus_record`. Dropped at the inode's FORGET.
+    plus_given: Mutex<HashMap<u64, std::time::Instant>>,
     next_fh: AtomicU64,
     stopping: AtomicBool,
     data_counters: DataCounters,
@@ -730,6 +736,7 @@ impl EtcFs {
             dirs: Mutex::new(HashMap::new()),
             dir_ahead_bytes: AtomicUsize::new(0),
             lookup_streaks: Mutex::new(HashMap::new()),
+            plus_given: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             data_counters: DataCounters::default(),
@@ -1160,6 +1167,7 @@ impl Inner {
     /// Makes the kernel ask for `ino`'s attributes again (not its pages): for changes it
     /// cannot know of, made outside a request about them.
     pub(super) fn drop_kernel_attrs(&self, ino: u64) {
+        self.forget_plus_given(std::iter::once(ino));
         let n = lock(&self.notifier)
             .clone()
             .or_else(|| PROCESS_NOTIFIER.get().cloned());

@@ -621,6 +621,89 @@ fn readdirplus_takes_the_listed_files_locks_in_bulk() {
     assert_eq!(seen, 100);
 }
 
+/// The READDIRPLUS records of one reply: name and entry.
+fn plus_records(reply: &[u8]) -> Vec<(Vec<u8>, EntryOut)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < reply.len() {
+        let e: EntryOut = parse(&reply[at..]);
+        let d: Dirent = parse(&reply[at + size_of::<EntryOut>()..]);
+        let name = &reply[at + size_of::<EntryOut>() + 24..][..d.namelen as usize];
+        out.push((name.to_vec(), e));
+        at += size_of::<EntryOut>() + (24 + d.namelen as usize).next_multiple_of(8);
+    }
+    out
+}
+
+/// A second READDIRPLUS of what the kernel was just given whole sends empty records
+/// (node id 0): a whole one makes the kernel drop the inode's cached ACLs, so each warm
+/// `ls -l` sent a GETXATTR per file. An inode the kernel forgot, and a file whose lock
+/// was given up and taken again since, are given whole again.
+#[test]
+fn readdirplus_leaves_out_what_the_kernel_was_just_given() {
+    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let dev = MemDev::new(DEV_BYTES);
+    format(&kv, &dev, false).unwrap();
+    let mut fx = Fx {
+        fs: mount_with(&kv, &dev, &CacheOpts::uniform(Duration::from_secs(600))),
+        kv: kv.clone(),
+        dev: dev.clone(),
+        out: vec![0; 2 << 20],
+        unique: 1,
+    };
+    let mut inos = std::collections::HashMap::new();
+    for i in 0..20 {
+        let name = format!("f{i:02}");
+        let (ino, fh) = fx.create(ROOT, name.as_bytes());
+        fx.release(ino, fh);
+        inos.insert(name.into_bytes(), ino);
+    }
+    fx.mkdir(ROOT, b"sub");
+    let list = |fx: &mut Fx| {
+        let o: OpenOut = parse(&fx.ok(ROOT, Operation::Opendir { flags: 0 }));
+        let reply = fx.ok(
+            ROOT,
+            Operation::Readdirplus {
+                fh: o.fh,
+                offset: 0,
+                size: 1 << 16,
+            },
+        );
+        fx.ok(ROOT, Operation::Releasedir { fh: o.fh });
+        let records = plus_records(&reply);
+        assert_eq!(records.len(), 23, "., .., 20 files and sub");
+        records
+            .into_iter()
+            .filter(|(n, _)| n != b"." && n != b"..")
+            .map(|(n, e)| (n, e.nodeid))
+            .collect::<std::collections::HashMap<_, _>>()
+    };
+    let first = list(&mut fx);
+    for (name, nodeid) in &first {
+        assert_ne!(*nodeid, 0, "{name:?}: given whole the first time");
+    }
+    let second = list(&mut fx);
+    assert!(second.values().all(|&n| n == 0), "{second:?}");
+    // The kernel forgot f03; f05's lock was given up and taken again; f07's attributes
+    // were dropped from the kernel.
+    let f03 = inos[&b"f03"[..]];
+    let f05 = inos[&b"f05"[..]];
+    let f07 = inos[&b"f07"[..]];
+    fx.fs.inner().drop_kernel_attrs(f07);
+    assert!(matches!(
+        fx.call(f03, Operation::Forget { nlookup: 1 }),
+        Reply::None
+    ));
+    fx.fs.inner().give_up(f05);
+    assert_eq!(fx.fs.inner().locks.held(f05), None);
+    let third = list(&mut fx);
+    assert_eq!(third[&b"f03"[..]], f03);
+    assert_eq!(third[&b"f05"[..]], f05);
+    assert_eq!(third[&b"f07"[..]], f07);
+    let whole: Vec<_> = third.iter().filter(|(_, &n)| n != 0).collect();
+    assert_eq!(whole.len(), 3, "{whole:?}");
+}
+
 /// `find` reads a directory whole, then looks its files up in name order: after a few
 /// such misses the files that follow are looked up and locked in bulk, and their
 /// lookups reach neither etcd nor a waiter; a lookup out of order does not count.

@@ -431,6 +431,12 @@ fn notify(i: &Inner, kernel: Vec<Kernel>) {
     if kernel.is_empty() {
         return;
     }
+    // Whatever the kernel drops here a READDIRPLUS gives it whole again.
+    i.forget_plus_given(kernel.iter().filter_map(|k| match k {
+        Kernel::InvalInode { ino, .. } => Some(*ino),
+        Kernel::Delete { child, .. } => Some(*child),
+        Kernel::InvalEntry { .. } => None,
+    }));
     let c = &i.caches.n;
     for k in &kernel {
         match k {
