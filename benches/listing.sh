@@ -31,11 +31,18 @@ ep=http://127.0.0.1:$port
 ETCD_PID="" pids=() loopdev=""
 mnt=$work/etcfs ext=$work/ext4
 cleanup() {
+	local rc=$?
 	umount "$mnt" 2>/dev/null || true
 	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
 	umount "$ext" 2>/dev/null || true
 	[ -z "$loopdev" ] || losetup -d "$loopdev" 2>/dev/null || true
 	if [ -n "$ETCD_PID" ]; then kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true; fi
+	# A failed run keeps the daemon's log (a listing's EIO at 100,000 entries went
+	# unexplained once because it was deleted with the rest).
+	if [ "$rc" != 0 ] && [ -f "$work/etcfs.log" ]; then
+		cp "$work/etcfs.log" "/var/tmp/listing-bench-failed-$$.log" &&
+			echo "listing.sh: failed; the daemon's log is /var/tmp/listing-bench-failed-$$.log" >&2
+	fi
 	rm -rf "$work"
 }
 trap cleanup EXIT
