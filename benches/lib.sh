@@ -32,3 +32,15 @@ mount_etcfs() {
 	echo "etcfs did not mount $mnt within 20 s; see $log" >&2
 	return 1
 }
+
+# need COMMAND PACKAGE: installs PACKAGE with apt-get when COMMAND is missing (once more
+# after an apt-get update). Uses the caller's log, die and WORK (apt's output goes to
+# $WORK/apt.log).
+need() { # COMMAND PACKAGE
+	command -v "$1" >/dev/null && return 0
+	log "installing $2"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get install -y -q "$2" >>"$WORK/apt.log" 2>&1 ||
+		{ apt-get update -q >>"$WORK/apt.log" 2>&1 && apt-get install -y -q "$2" >>"$WORK/apt.log" 2>&1; } ||
+		die "cannot install $2 (see $WORK/apt.log)"
+}

@@ -163,14 +163,8 @@ trap 'exit 143' TERM
 
 # --- tools ---------------------------------------------------------------------------------
 
-need() { # COMMAND PACKAGE
-	command -v "$1" >/dev/null && return 0
-	log "installing $2"
-	export DEBIAN_FRONTEND=noninteractive
-	apt-get install -y -q "$2" >>"$WORK/apt.log" 2>&1 ||
-		{ apt-get update -q >>"$WORK/apt.log" 2>&1 && apt-get install -y -q "$2" >>"$WORK/apt.log" 2>&1; } ||
-		die "cannot install $2 (see $WORK/apt.log)"
-}
+# shellcheck source=benches/lib.sh
+. "$ROOT/benches/lib.sh"
 need etcd etcd-server
 need fio fio
 need gcc gcc
