@@ -137,18 +137,13 @@ impl Patient {
     }
 
     fn resend_txn(&self, kind: Kind, txn: Txn) -> BoxFut<'_, Result<TxnResponse, KvError>> {
-        Box::pin(async move {
-            let inner = self.inner.clone();
-            let what = match kind {
-                Kind::Read => "read",
-                Kind::Write => "write",
-            };
-            self.retry(kind, what, || {
-                let (inner, txn) = (inner.clone(), txn.clone());
-                Box::pin(async move { inner.txn(txn).await })
-            })
-            .await
-            .0
+        let what = match kind {
+            Kind::Read => "read",
+            Kind::Write => "write",
+        };
+        self.resend(kind, what, move |kv| {
+            let txn = txn.clone();
+            Box::pin(async move { kv.txn(txn).await })
         })
     }
 }
