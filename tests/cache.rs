@@ -9,6 +9,7 @@
 //! No `unsafe` (tests/tidy.rs): signals go through the `kill` command.
 
 use std::{
+    collections::BTreeSet,
     fs,
     io::Write as _,
     os::unix::fs::{FileExt as _, MetadataExt as _, PermissionsExt as _},
@@ -212,6 +213,23 @@ fn stat_counter(mnt: &Path, name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// Requests of `op` the mount's daemon has served (`etcfs stats --json`).
+fn op_count(mnt: &Path, op: &str) -> u64 {
+    let out = Command::new(bin())
+        .args(["stats", "--json"])
+        .arg(mnt)
+        .output()
+        .expect("run etcfs stats");
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    stats["ops"]
+        .as_array()
+        .expect("ops is a list")
+        .iter()
+        .filter(|o| o["op"] == op)
+        .map(|o| o["count"].as_u64().expect("count is a number"))
+        .sum()
+}
+
 /// Polls `f` until it holds or [`VISIBLE_WITHIN`] passes; returns how long it took.
 fn within(what: &str, mut f: impl FnMut() -> bool) -> Duration {
     let t0 = Instant::now();
@@ -403,4 +421,62 @@ fn a_directory_larger_than_dir_names_max_answers_lookups() {
     assert!(exists(&a.join("big/g7")) && !exists(&a.join("big/f3")));
     let names = fs::read_dir(b.join("big")).expect("readdir").count();
     assert_eq!(names, 40);
+}
+
+/// The kernel keeps a directory's listing (FOPEN_CACHE_DIR): the next listing reaches no
+/// daemon, and another mount's creates, unlinks and renames there still show within the
+/// watch's bound, as this mount's own do at once.
+#[test]
+fn a_listing_kept_by_the_kernel_follows_name_changes_on_either_mount() {
+    let Some(etcd) = prerequisites("kernel listing cache") else {
+        return;
+    };
+    let mut c = Cluster::new(&etcd, "ls");
+    let a = c.mount("a", &[]);
+    let long = [
+        "--entry-timeout",
+        LONG,
+        "--negative-timeout",
+        LONG,
+        "--attr-timeout",
+        LONG,
+    ];
+    let b = c.mount("b", &long);
+    fs::create_dir(a.join("d")).expect("mkdir");
+    for i in 0..300 {
+        fs::write(a.join(format!("d/f{i}")), b"").expect("create");
+    }
+    let listing = |m: &Path| -> BTreeSet<String> {
+        fs::read_dir(m.join("d"))
+            .expect("opendir")
+            .map(|e| {
+                e.expect("readdir")
+                    .file_name()
+                    .into_string()
+                    .expect("utf-8 name")
+            })
+            .collect()
+    };
+    let mut want: BTreeSet<String> = (0..300).map(|i| format!("f{i}")).collect();
+    within("the created names", || listing(&b) == want);
+    let reads = |m: &Path| op_count(m, "READDIR") + op_count(m, "READDIRPLUS");
+    let before = reads(&b);
+    assert_eq!(listing(&b), want);
+    assert_eq!(reads(&b), before, "a second listing reached the daemon");
+
+    fs::write(a.join("d/new"), b"").expect("create on a");
+    fs::remove_file(a.join("d/f7")).expect("unlink on a");
+    fs::rename(a.join("d/f8"), a.join("d/g8")).expect("rename on a");
+    for gone in ["f7", "f8"] {
+        want.remove(gone);
+    }
+    want.extend(["new".to_string(), "g8".to_string()]);
+    let t = within("another mount's name changes", || listing(&b) == want);
+    loud(&format!("another mount's name changes listed after {t:?}"));
+
+    fs::write(b.join("d/mine"), b"").expect("create on b");
+    assert!(listing(&b).contains("mine"), "own create not listed");
+    fs::remove_file(b.join("d/mine")).expect("unlink on b");
+    assert!(!listing(&b).contains("mine"), "own unlink still listed");
+    assert_eq!(listing(&b), want);
 }

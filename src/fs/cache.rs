@@ -706,7 +706,11 @@ impl Caches {
         self.inodes.each(|s| {
             named.extend(s.c.iter().map(|(&ino, v)| Kernel::InvalInode {
                 ino,
-                data: v.val.kind == meta::types::FileType::Regular,
+                // A directory's data is the kernel's copy of its listing.
+                data: matches!(
+                    v.val.kind,
+                    meta::types::FileType::Regular | meta::types::FileType::Directory
+                ),
             }));
             s.c.clear();
         });
@@ -1182,10 +1186,8 @@ mod tests {
         };
         let mut want = vec![
             Kernel::InvalInode { ino: 7, data: true },
-            Kernel::InvalInode {
-                ino: 8,
-                data: false,
-            },
+            // A directory: its data is the kernel's copy of the listing.
+            Kernel::InvalInode { ino: 8, data: true },
             entry(1, b"absent"),
             entry(1, b"x"),
             entry(8, b"a"),

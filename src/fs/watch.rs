@@ -322,7 +322,15 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
                 name,
                 new,
             };
-            kernel.extend(i.caches.event(rev, &e));
+            if let Some(k) = i.caches.event(rev, &e) {
+                kernel.push(k);
+                // The kernel's copy of the directory's listing (FOPEN_CACHE_DIR) is in
+                // its pages: a name change it did not make itself drops them.
+                kernel.push(Kernel::InvalInode {
+                    ino: parent.0,
+                    data: true,
+                });
+            }
         }
         Some(KeyKind::Extent(ino, off)) => extent_changed(i, ino.0, off, put, &ev.kv.value),
         // The kernel caches an inode's ACL apart from its attributes, and may have read it
@@ -431,6 +439,13 @@ fn notify(i: &Inner, kernel: Vec<Kernel>) {
     if kernel.is_empty() {
         return;
     }
+    // Sent after the whole batch is applied, so once is enough (a batch of another
+    // node's creates in one directory drops its listing once).
+    let mut seen = std::collections::HashSet::new();
+    let kernel: Vec<Kernel> = kernel
+        .into_iter()
+        .filter(|k| seen.insert(k.clone()))
+        .collect();
     // Whatever the kernel drops here a READDIRPLUS gives it whole again.
     i.forget_plus_given(kernel.iter().filter_map(|k| match k {
         Kernel::InvalInode { ino, .. } => Some(*ino),
