@@ -139,10 +139,11 @@ pub enum Acquired {
     },
 }
 
-/// Whether [`CacheLocks::share_many`] can grant `files` in one transaction: a put, a
-/// delete and the reads of each, and two compares each, within etcd's `--max-txn-ops`.
-pub fn share_many_fits(files: &[(Ino, Vec<RangeRequest>)]) -> bool {
-    let ops: usize = files.iter().map(|(_, r)| 2 + r.len()).sum();
+/// Whether [`CacheLocks::share_many`] can grant `files` (with the group's `shared` reads)
+/// in one transaction: a put and the reads of each, the shared reads, and two compares
+/// each, within etcd's `--max-txn-ops`.
+pub fn share_many_fits(files: &[(Ino, Vec<RangeRequest>)], shared: &[RangeRequest]) -> bool {
+    let ops: usize = files.iter().map(|(_, r)| 1 + r.len()).sum::<usize>() + shared.len();
     ops <= crate::kv::ETCD_TXN_OPS_MAX && 2 * files.len() <= crate::kv::ETCD_TXN_OPS_MAX
 }
 
@@ -153,6 +154,8 @@ pub struct SharedMany {
     pub revision: i64,
     /// The files now held shared, each with the answers to its reads, as of the grant.
     pub granted: Vec<(Ino, Vec<crate::kv::RangeResponse>)>,
+    /// The answers to the group's shared reads, as of the grant.
+    pub shared: Vec<crate::kv::RangeResponse>,
 }
 
 /// The first key after `key` (its successor in etcd's byte order).
@@ -347,12 +350,15 @@ impl CacheLocks {
     /// Then a second one grants the free files on the compare that their holders did not
     /// change since. Files with a conflicting holder are left out, and a failed compare
     /// grants nothing: their own operations take them one at a time. `None` too when the
-    /// files' ops pass [`share_many_fits`].
+    /// files' ops pass [`share_many_fits`]. `shared`: reads for the whole group (the
+    /// extents of a run of neighbouring inodes in one range: a read per file was a third
+    /// of the etcd operations of a cold `ls -l`), done with the grant.
     pub async fn share_many(
         &self,
         files: &[(Ino, Vec<RangeRequest>)],
+        shared: &[RangeRequest],
     ) -> Result<Option<SharedMany>, MetaError> {
-        if files.is_empty() || !share_many_fits(files) {
+        if files.is_empty() || !share_many_fits(files, shared) {
             return Ok(None);
         }
         let holders_of = |ino: Ino| {
@@ -380,16 +386,20 @@ impl CacheLocks {
             .kv
             .txn_idempotent(Txn {
                 compares,
-                success: self.grant_ops(&all),
+                // No delete of a wait of ours: there is none to end when nobody else
+                // holds the files (a wait left by an operation that gave up is
+                // harmless: holders give way on a wait's put, long seen).
+                success: self.grant_ops(&all, false, shared),
                 failure: files.iter().map(|(ino, _)| holders_of(*ino)).collect(),
             })
             .await?;
         if first.succeeded {
-            return Ok(Some(Self::granted(&all, first)));
+            return Ok(Some(Self::granted(&all, false, shared, first)));
         }
         // Someone holds some of them: grant the free ones as the holders were read.
         let seen = first;
-        let (mut compares, mut free) = (Vec::new(), Vec::new());
+        let (mut compares, mut free): (Vec<Compare>, Vec<(Ino, &[RangeRequest])>) =
+            (Vec::new(), Vec::new());
         for ((ino, reads), r) in files.iter().zip(&seen.responses) {
             let TxnOpResponse::Range(r) = r else {
                 continue;
@@ -412,27 +422,42 @@ impl CacheLocks {
                     target: CompareTarget::ModRevision(seen.revision + 1),
                 });
             }
+            // This one's put, its wait's delete and its reads must fit beside the others.
+            let ops: usize = free.iter().map(|(_, r)| 2 + r.len()).sum::<usize>()
+                + shared.len()
+                + 2
+                + reads.len();
+            if ops > crate::kv::ETCD_TXN_OPS_MAX {
+                break;
+            }
             free.push((*ino, reads.as_slice()));
         }
         if free.is_empty() {
             return Ok(None);
         }
+        compares.truncate(2 * free.len());
         let resp = self
             .kv
             .txn_idempotent(Txn {
                 compares,
-                success: self.grant_ops(&free),
+                success: self.grant_ops(&free, true, shared),
                 failure: vec![],
             })
             .await?;
         if !resp.succeeded {
             return Ok(None);
         }
-        Ok(Some(Self::granted(&free, resp)))
+        Ok(Some(Self::granted(&free, true, shared, resp)))
     }
 
-    /// The writes granting `files` shared, each followed by its reads.
-    fn grant_ops(&self, files: &[(Ino, &[RangeRequest])]) -> Vec<TxnOp> {
+    /// The writes granting `files` shared, each followed by its reads (and, with
+    /// `end_waits`, by the delete of a wait of ours), then the shared reads.
+    fn grant_ops(
+        &self,
+        files: &[(Ino, &[RangeRequest])],
+        end_waits: bool,
+        shared: &[RangeRequest],
+    ) -> Vec<TxnOp> {
         let value = CacheLock {
             mode: LockMode::Shared,
         }
@@ -444,34 +469,40 @@ impl CacheLocks {
                 value: value.clone(),
                 lease: self.lease,
             }));
-            // A wait of ours left by an operation that gave up on the lock is over.
-            ops.push(TxnOp::delete(self.keys.cache_want(*ino, self.me)));
+            if end_waits {
+                // A wait of ours left by an operation that gave up on the lock is over.
+                ops.push(TxnOp::delete(self.keys.cache_want(*ino, self.me)));
+            }
             ops.extend(reads.iter().cloned().map(TxnOp::Range));
         }
+        ops.extend(shared.iter().cloned().map(TxnOp::Range));
         ops
     }
 
     /// What a transaction of [`CacheLocks::grant_ops`] of `files` granted.
-    fn granted(files: &[(Ino, &[RangeRequest])], resp: crate::kv::TxnResponse) -> SharedMany {
-        let mut answers = resp.responses.into_iter();
+    fn granted(
+        files: &[(Ino, &[RangeRequest])],
+        end_waits: bool,
+        shared: &[RangeRequest],
+        resp: crate::kv::TxnResponse,
+    ) -> SharedMany {
+        let mut answers = resp.responses.into_iter().map(|r| match r {
+            TxnOpResponse::Range(r) => r,
+            _ => crate::kv::RangeResponse::default(),
+        });
         let mut out = Vec::with_capacity(files.len());
         for (ino, reads) in files {
             // The put and the delete answer nothing of use.
             answers.next();
-            answers.next();
-            let reads = answers
-                .by_ref()
-                .take(reads.len())
-                .map(|r| match r {
-                    TxnOpResponse::Range(r) => r,
-                    _ => crate::kv::RangeResponse::default(),
-                })
-                .collect();
-            out.push((*ino, reads));
+            if end_waits {
+                answers.next();
+            }
+            out.push((*ino, answers.by_ref().take(reads.len()).collect()));
         }
         SharedMany {
             revision: resp.revision,
             granted: out,
+            shared: answers.take(shared.len()).collect(),
         }
     }
 
@@ -688,7 +719,11 @@ mod tests {
             let ask: Vec<(Ino, Vec<RangeRequest>)> = (1..=4)
                 .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
                 .collect();
-            let got = a.share_many(&ask).await.expect("share").expect("granted");
+            let got = a
+                .share_many(&ask, &[])
+                .await
+                .expect("share")
+                .expect("granted");
             let inos: Vec<u64> = got.granted.iter().map(|(i, _)| i.0).collect();
             assert_eq!(inos, [2, 3]);
             let value = |n: usize| got.granted[n].1[0].kvs.first().map(|kv| kv.value.clone());
@@ -700,11 +735,11 @@ mod tests {
                 Ok(Acquired::Busy { .. })
             ));
             // Too many at once: nothing.
-            let many: Vec<(Ino, Vec<RangeRequest>)> = (10..60)
+            let many: Vec<(Ino, Vec<RangeRequest>)> = (10..80)
                 .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
                 .collect();
-            assert!(!share_many_fits(&many));
-            assert_eq!(a.share_many(&many).await.expect("share"), None);
+            assert!(!share_many_fits(&many, &[]));
+            assert_eq!(a.share_many(&many, &[]).await.expect("share"), None);
         });
     }
 
@@ -720,7 +755,11 @@ mod tests {
                 .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
                 .collect();
             let before = etcd.txn_count();
-            let got = a.share_many(&ask).await.expect("share").expect("granted");
+            let got = a
+                .share_many(&ask, &[])
+                .await
+                .expect("share")
+                .expect("granted");
             assert_eq!(
                 etcd.txn_count() - before,
                 1,
@@ -734,7 +773,11 @@ mod tests {
             );
             // The same grant sent again (its first answer lost) grants again, leaving one
             // key per file.
-            let again = a.share_many(&ask).await.expect("share").expect("granted");
+            let again = a
+                .share_many(&ask, &[])
+                .await
+                .expect("share")
+                .expect("granted");
             assert_eq!(again.granted.len(), 3);
             let held = keys.cache_locks(Ino(2));
             assert_eq!(etcd.dump(&held.start, &held.end).len(), 1);
@@ -752,9 +795,55 @@ mod tests {
                 Ok(Acquired::Granted { .. })
             ));
             let before = etcd.txn_count();
-            let got = a.share_many(&ask).await.expect("share").expect("granted");
+            let got = a
+                .share_many(&ask, &[])
+                .await
+                .expect("share")
+                .expect("granted");
             assert_eq!(etcd.txn_count() - before, 2);
             assert_eq!(got.granted.len(), 3);
+        });
+    }
+
+    #[test]
+    fn share_many_answers_the_groups_shared_reads_on_either_path() {
+        let (etcd, _, keys, a, b) = two_sessions();
+        block_on(async {
+            for i in 1..=4 {
+                etcd.put_raw(&keys.extent(Ino(i), 0), format!("extent of {i}").as_bytes());
+            }
+            let span = RangeRequest::range(keys.extents(Ino(1)).start, keys.extents(Ino(4)).end);
+            let ask = |from, to| -> Vec<(Ino, Vec<RangeRequest>)> {
+                (from..=to)
+                    .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
+                    .collect()
+            };
+            let shared = [span.clone()];
+            let got = a
+                .share_many(&ask(1, 2), &shared)
+                .await
+                .expect("share")
+                .expect("granted");
+            assert_eq!(got.granted.len(), 2);
+            assert_eq!(got.shared.len(), 1);
+            assert_eq!(
+                got.shared[0].kvs.len(),
+                4,
+                "the whole span, read with the grant"
+            );
+            // Someone else holds 4: the second transaction answers them too.
+            assert!(matches!(
+                b.acquire(Ino(4), LockMode::Exclusive, None, None).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            let got = a
+                .share_many(&ask(3, 4), &shared)
+                .await
+                .expect("share")
+                .expect("granted");
+            let inos: Vec<u64> = got.granted.iter().map(|(i, _)| i.0).collect();
+            assert_eq!(inos, [3]);
+            assert_eq!(got.shared[0].kvs.len(), 4);
         });
     }
 }

@@ -356,7 +356,7 @@ async fn a_bulk_shared_grant_with_its_answer_lost_is_granted_once() {
         .collect();
     // Applied, its answer lost twice: the resends find the other holders as they were.
     w.lose_txns(2);
-    let got = la.share_many(&files).await.unwrap().expect("granted");
+    let got = la.share_many(&files, &[]).await.unwrap().expect("granted");
     w.lost_all();
     assert_eq!(got.granted.len(), 5);
     assert_eq!(

@@ -70,9 +70,13 @@ use super::{errno, Inner};
 use fusedev::errno::Errno;
 use meta::types::FileType;
 
-/// Locks this node keeps in its table; over it, those of files not open and not in use
-/// are given back (housekeeping).
-pub(crate) const LOCKS_MAX: usize = 1 << 16;
+/// Locks this node keeps in its table; over it, the least recently used of those of
+/// files not open and not in use are given back (housekeeping). As large as the kernel
+/// inodes a listing may leave cached (`PLUS_GIVEN_MAX`): at 65,536, `ls -l` of 100,000
+/// files gave back the locks of the files it was about to stat, and took them again one
+/// round trip each (267 s, benches/listing.sh). About 300 bytes each here, and one key
+/// under the node's lease in etcd.
+pub(crate) const LOCKS_MAX: usize = 1 << 18;
 /// A holder unused this long gives way at once, whatever `--lock-min-hold-ms` says: the
 /// minimum hold is for a node in the middle of using the file.
 const IDLE_GIVES_WAY: Duration = Duration::from_millis(1);
@@ -246,6 +250,88 @@ pub(crate) fn around(holes: &[Range]) -> Vec<Range> {
     }
     if at < u64::MAX {
         out.push((at, u64::MAX));
+    }
+    out
+}
+
+/// The `n` files of `idle` (last used, file) used longest ago, never used first. The
+/// table's own order gave back locks a listing had just taken for the stats about to
+/// follow it.
+fn least_recent(mut idle: Vec<(Option<Instant>, u64)>, n: usize) -> Vec<u64> {
+    if idle.len() > n {
+        idle.select_nth_unstable(n);
+        idle.truncate(n);
+    }
+    idle.into_iter().map(|(_, ino)| ino).collect()
+}
+
+/// Files granted in one transaction ([`CacheLocks::share_many`]): those with inodes
+/// close together have their extents read in one range (a put and a read each, 63 fit in
+/// etcd's 128 operations); others a read each for their extents (42 fit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GrantGroup {
+    /// Indexes into the sorted inodes.
+    files: std::ops::Range<usize>,
+    /// The extents are read as one range from the first inode's to the last's.
+    close: bool,
+}
+
+const GROUP_CLOSE_MAX: usize = 63;
+const GROUP_APART_MAX: usize = 42;
+/// Close: the inodes span at most this many numbers per file (so the range read holds
+/// few other files' extents: a directory whose files were created together).
+const CLOSE_SPAN_PER_FILE: u64 = 4;
+
+/// Groups the sorted inodes of a listing for [`Inner::share_listed`].
+fn grant_groups(sorted: &[u64]) -> Vec<GrantGroup> {
+    let mut groups = Vec::new();
+    let mut at = 0;
+    while at < sorted.len() {
+        let n = (sorted.len() - at).min(GROUP_CLOSE_MAX);
+        let span = sorted[at + n - 1] - sorted[at];
+        let close = span < CLOSE_SPAN_PER_FILE * n as u64;
+        let n = if close { n } else { n.min(GROUP_APART_MAX) };
+        groups.push(GrantGroup {
+            files: at..at + n,
+            close,
+        });
+        at += n;
+    }
+    groups
+}
+
+/// A range read of the extents of `inos` (and of any file between them), as one answer
+/// per file of `inos`. Files at or past the last key of an answer cut by its limit are
+/// marked `more` (their maps are not cached).
+fn split_extents(
+    keys: &meta::keys::Keyspace,
+    span: &RangeResponse,
+    inos: &[Ino],
+) -> HashMap<u64, RangeResponse> {
+    let mut out: HashMap<u64, RangeResponse> = inos
+        .iter()
+        .map(|ino| {
+            let r = RangeResponse {
+                revision: span.revision,
+                ..RangeResponse::default()
+            };
+            (ino.0, r)
+        })
+        .collect();
+    let mut last = 0;
+    for kv in &span.kvs {
+        if let Some(meta::keys::KeyKind::Extent(ino, _)) = keys.parse(&kv.key) {
+            if let Some(r) = out.get_mut(&ino.0) {
+                r.kvs.push(kv.clone());
+                r.count += 1;
+            }
+            last = last.max(ino.0);
+        }
+    }
+    if span.more {
+        for (_, r) in out.iter_mut().filter(|(&ino, _)| ino >= last) {
+            r.more = true;
+        }
     }
     out
 }
@@ -482,16 +568,16 @@ impl LockTable {
             return Vec::new();
         }
         let excess = t.len() - LOCKS_MAX;
-        t.iter()
-            .filter(|(&ino, e)| {
-                !open(ino)
-                    && e.st
-                        .try_lock()
-                        .is_ok_and(|s| s.users == 0 && !s.releasing && !s.acquiring)
+        let idle: Vec<(Option<Instant>, u64)> = t
+            .iter()
+            .filter(|(&ino, _)| !open(ino))
+            .filter_map(|(&ino, e)| {
+                let s = e.st.try_lock().ok()?;
+                (s.users == 0 && !s.releasing && !s.acquiring)
+                    .then(|| (s.last_used.or(s.granted_at), ino))
             })
-            .map(|(&ino, _)| ino)
-            .take(excess)
-            .collect()
+            .collect();
+        least_recent(idle, excess)
     }
 
     /// Drops table entries that hold nothing and nobody uses.
@@ -671,35 +757,54 @@ impl Inner {
         // anyway, one round trip each, and housekeeping gives back what is over the bound
         // either way (stopping at half the bound made `ls -l` of 100,000 files send 46,000
         // GETATTRs past it: benches/listing.sh).
-        let claimed: Vec<(u64, Arc<Entry>)> = inos
+        let mut claimed: Vec<(u64, Arc<Entry>)> = inos
             .iter()
             .filter(|&&ino| self.files.get(ino).is_none())
             .filter_map(|&ino| self.locks.claim_unheld(ino).map(|e| (ino, e)))
             .collect();
+        claimed.sort_unstable_by_key(|(ino, _)| *ino);
         let l = self.locks.etcd();
         let session = l.session();
         let keys = self.meta.keys().clone();
-        let reads = |ino: u64| {
-            let extents = keys.extents(Ino(ino));
-            let limit = i64::try_from(super::files::EXTENTS_CACHED_MAX).unwrap_or(i64::MAX);
-            vec![
-                RangeRequest::key(keys.inode(Ino(ino))),
-                RangeRequest::range(extents.start, extents.end).limit(limit),
-            ]
-        };
-        let per_txn = meta::kv::ETCD_TXN_OPS_MAX / (2 + reads(0).len());
-        let chunks: Vec<Vec<Ino>> = claimed
-            .chunks(per_txn)
-            .map(|chunk| chunk.iter().map(|(ino, _)| Ino(*ino)).collect())
-            .collect();
-        let tickets: Vec<_> = chunks
+        let limit = i64::try_from(super::files::EXTENTS_CACHED_MAX).unwrap_or(i64::MAX);
+        let sorted: Vec<u64> = claimed.iter().map(|(ino, _)| *ino).collect();
+        let groups = grant_groups(&sorted);
+        let chunks: Vec<Vec<Ino>> = groups
             .iter()
-            .map(|chunk| {
-                let ask: Vec<(Ino, Vec<RangeRequest>)> =
-                    chunk.iter().map(|ino| (*ino, reads(ino.0))).collect();
+            .map(|g| {
+                sorted[g.files.clone()]
+                    .iter()
+                    .map(|&ino| Ino(ino))
+                    .collect()
+            })
+            .collect();
+        let tickets: Vec<_> = groups
+            .iter()
+            .zip(&chunks)
+            .map(|(g, chunk)| {
+                let ask: Vec<(Ino, Vec<RangeRequest>)> = chunk
+                    .iter()
+                    .map(|&ino| {
+                        let mut reads = vec![RangeRequest::key(keys.inode(ino))];
+                        if !g.close {
+                            let e = keys.extents(ino);
+                            reads.push(RangeRequest::range(e.start, e.end).limit(limit));
+                        }
+                        (ino, reads)
+                    })
+                    .collect();
+                let shared: Vec<RangeRequest> = match (g.close, chunk.first(), chunk.last()) {
+                    (true, Some(&first), Some(&last)) => {
+                        vec![
+                            RangeRequest::range(keys.extents(first).start, keys.extents(last).end)
+                                .limit(limit),
+                        ]
+                    }
+                    _ => Vec::new(),
+                };
                 let l = l.clone();
                 self.meta
-                    .read(move |_, _| Box::pin(async move { l.share_many(&ask).await }))
+                    .read(move |_, _| Box::pin(async move { l.share_many(&ask, &shared).await }))
             })
             .collect();
         let mut granted: HashMap<u64, (i64, Vec<RangeResponse>)> = HashMap::new();
@@ -707,7 +812,16 @@ impl Inner {
             match t.and_then(|t| t.wait()) {
                 Ok(Some(g)) => {
                     let rev = g.revision;
-                    granted.extend(g.granted.into_iter().map(|(i, r)| (i.0, (rev, r))));
+                    let mut split = match g.shared.first() {
+                        Some(span) => split_extents(&keys, span, &chunk),
+                        None => HashMap::new(),
+                    };
+                    granted.extend(g.granted.into_iter().map(|(i, mut r)| {
+                        if let Some(extents) = split.remove(&i.0) {
+                            r.push(extents);
+                        }
+                        (i.0, (rev, r))
+                    }));
                 }
                 Ok(None) => {}
                 Err(e) => {
@@ -1204,5 +1318,91 @@ mod tests {
         assert_eq!(around(&[(8192, 8193)]), vec![(0, 8192), (12288, u64::MAX)]);
         assert!(covers(&[(0, 4096)], (4095, 4097)));
         assert!(!covers(&[(0, 4096)], (4096, 8192)));
+    }
+
+    #[test]
+    fn a_listings_files_are_granted_in_groups_that_fit_a_transaction() {
+        // Created together: 63 a transaction, extents read as one range.
+        let dense: Vec<u64> = (1000..1200).collect();
+        let g = grant_groups(&dense);
+        assert_eq!(g.iter().map(|g| g.files.len()).sum::<usize>(), 200);
+        assert!(g
+            .iter()
+            .all(|g| g.close && g.files.len() <= GROUP_CLOSE_MAX));
+        assert_eq!(g[0].files, 0..63);
+        // Far apart: 42 a transaction, a read each.
+        let sparse: Vec<u64> = (0..100).map(|i| i * 1000).collect();
+        let g = grant_groups(&sparse);
+        assert_eq!(
+            g[0],
+            GrantGroup {
+                files: 0..42,
+                close: false
+            }
+        );
+        assert_eq!(g.iter().map(|g| g.files.len()).sum::<usize>(), 100);
+        assert!(grant_groups(&[]).is_empty());
+        // Every group fits etcd's limits, as share_many checks.
+        for (g, sorted) in [
+            (grant_groups(&dense), &dense),
+            (grant_groups(&sparse), &sparse),
+        ] {
+            for g in g {
+                let reads = if g.close { 1 } else { 2 };
+                let files: Vec<(Ino, Vec<RangeRequest>)> = sorted[g.files.clone()]
+                    .iter()
+                    .map(|&i| (Ino(i), vec![RangeRequest::key(vec![]); reads]))
+                    .collect();
+                let shared = vec![RangeRequest::key(vec![]); usize::from(g.close)];
+                assert!(meta::cachelock::share_many_fits(&files, &shared));
+            }
+        }
+    }
+
+    #[test]
+    fn one_range_of_extents_is_split_per_file_and_a_cut_marks_the_rest_unknown() {
+        let keys = meta::keys::Keyspace::new("t").expect("prefix");
+        let kv = |ino, off| meta::kv::KeyValue {
+            key: keys.extent(Ino(ino), off),
+            ..Default::default()
+        };
+        let span = RangeResponse {
+            kvs: vec![kv(10, 0), kv(10, 4096), kv(11, 0), kv(13, 0)],
+            more: false,
+            count: 4,
+            revision: 7,
+        };
+        let inos = [Ino(10), Ino(12), Ino(13)];
+        let split = split_extents(&keys, &span, &inos);
+        assert_eq!(
+            split.len(),
+            3,
+            "every file answered, 11 (not asked) left out"
+        );
+        assert_eq!(split[&10].kvs.len(), 2);
+        assert!(split[&12].kvs.is_empty() && !split[&12].more, "no blocks");
+        assert_eq!(split[&13].revision, 7);
+        let cut = RangeResponse { more: true, ..span };
+        let split = split_extents(&keys, &cut, &inos);
+        assert!(!split[&10].more && !split[&12].more);
+        assert!(split[&13].more, "may have more past the cut");
+    }
+
+    #[test]
+    fn trimming_gives_back_the_least_recently_used() {
+        let t0 = Instant::now();
+        let at = |ms| Some(t0 + Duration::from_millis(ms));
+        let idle = vec![
+            (at(30), 3),
+            (at(10), 1),
+            (None, 7),
+            (at(40), 4),
+            (at(20), 2),
+        ];
+        let mut out = least_recent(idle.clone(), 3);
+        out.sort_unstable();
+        assert_eq!(out, vec![1, 2, 7]);
+        assert_eq!(least_recent(idle.clone(), 0), Vec::<u64>::new());
+        assert_eq!(least_recent(idle, 9).len(), 5);
     }
 }
