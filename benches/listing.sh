@@ -130,7 +130,7 @@ if isinstance(ops, dict):
 for o in ops:
     name = o.get("op") or o.get("name")
     if o.get("count"):
-        print(f"  {name:<14} {o['count']}")
+        print("  %-14s %s" % (name, o["count"]))
 c = s.get("counters", {})
 print("  etcd read txns", c.get("etcd_read_txns"), "etcd txns committed", c.get("etcd_txns_committed"))
 '

@@ -456,11 +456,11 @@ impl Keyspace {
         k
     }
 
-    /// The commit markers of `session` with a sequence number below `seq`.
-    pub fn txn_markers_below(&self, session: SessionId, seq: u64) -> KeyRange {
+    /// The commit markers of `session` with sequence numbers in `[from, to)`.
+    pub fn txn_markers_between(&self, session: SessionId, from: u64, to: u64) -> KeyRange {
         KeyRange {
-            start: self.txn_marker(session, 0),
-            end: self.txn_marker(session, seq),
+            start: self.txn_marker(session, from),
+            end: self.txn_marker(session, to),
         }
     }
 

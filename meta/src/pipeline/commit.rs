@@ -897,10 +897,12 @@ impl Committer {
             txn.compares.push(cmp);
             txn.success.push(put);
             sent.marker = Some(seq);
-            if let Some(end) = self.markers.cleanable(session, self.elapsed()) {
-                let r = self.keys.txn_markers_below(session, end);
+            if let Some(clean) = self.markers.cleanable(session, self.elapsed()) {
+                let r = self
+                    .keys
+                    .txn_markers_between(session, clean.start, clean.end);
                 txn.success.push(TxnOp::delete_range(r.start, r.end, false));
-                sent.cleaned_below = Some(end);
+                sent.cleaned_below = Some(clean.end);
             }
         }
         // In-flight batches are identified by their first member's id (unique: a work is

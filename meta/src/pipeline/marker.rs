@@ -92,9 +92,16 @@ impl Markers {
         self.held.push_back((seq, until));
     }
 
-    /// Markers of `session` that a transaction sent now may delete: `Some(end)` for the
-    /// range below `end`, when enough have gathered.
-    pub(crate) fn cleanable(&mut self, session: SessionId, now: Duration) -> Option<u64> {
+    /// Markers of `session` that a transaction sent now may delete, when enough have
+    /// gathered: those from the last range known deleted on. Not from 0: etcd keeps a
+    /// deleted key in its index until a compaction, and a delete walks every key of its
+    /// range, so each cleaning from 0 walked every marker the session had ever written
+    /// (without compaction, creates slowed from 2 ms to 6.5 ms of etcd CPU each).
+    pub(crate) fn cleanable(
+        &mut self,
+        session: SessionId,
+        now: Duration,
+    ) -> Option<std::ops::Range<u64>> {
         if self.session != Some(session) {
             return None;
         }
@@ -109,7 +116,7 @@ impl Markers {
         .flatten()
         .min()
         .unwrap_or(self.next);
-        (low >= self.clean_below + CLEAN_EVERY).then_some(low)
+        (low >= self.clean_below + CLEAN_EVERY).then_some(self.clean_below..low)
     }
 
     /// A transaction that deleted the markers below `end` committed.
@@ -234,11 +241,23 @@ mod tests {
             "the first is still open"
         );
         m.answered(seqs[0]);
-        let end = m.cleanable(S, Duration::ZERO).unwrap();
-        assert_eq!(end, seqs[0] + CLEAN_EVERY + 5);
+        let range = m.cleanable(S, Duration::ZERO).unwrap();
+        assert_eq!(range, 0..seqs[0] + CLEAN_EVERY + 5);
         assert_eq!(m.cleanable(SessionId(8), Duration::ZERO), None);
-        m.cleaned(S, end);
+        m.cleaned(S, range.end);
         assert_eq!(m.cleanable(S, Duration::ZERO), None, "nothing new gathered");
+        // The next range starts where the last one deleted ended.
+        for _ in 0..CLEAN_EVERY {
+            let s = m.begin(S);
+            m.answered(s);
+        }
+        let next = m.cleanable(S, Duration::ZERO).unwrap();
+        assert_eq!(next.start, range.end);
+        assert_eq!(next.end, range.end + CLEAN_EVERY);
+        // Not known deleted (the transaction failed): the same range again, and more.
+        let s = m.begin(S);
+        m.answered(s);
+        assert_eq!(m.cleanable(S, Duration::ZERO).unwrap().start, range.end);
     }
 
     #[test]
@@ -252,7 +271,7 @@ mod tests {
         m.hold(first, Duration::from_secs(60));
         assert_eq!(m.cleanable(S, Duration::from_secs(59)), None);
         assert_eq!(
-            m.cleanable(S, Duration::from_secs(60)),
+            m.cleanable(S, Duration::from_secs(60)).map(|r| r.end),
             Some(first + 1 + 2 * CLEAN_EVERY)
         );
     }
@@ -271,7 +290,7 @@ mod tests {
         }
         // The old session's open marker does not pin the new session's cleaning.
         assert_eq!(
-            m.cleanable(s2, Duration::ZERO),
+            m.cleanable(s2, Duration::ZERO).map(|r| r.end),
             Some(first + 1 + CLEAN_EVERY)
         );
     }
