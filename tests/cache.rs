@@ -8,6 +8,9 @@
 //! `ETCFS_REQUIRE_MOUNT_TESTS=1`), root and /dev/fuse. `ETCFS_BIN` overrides the binary.
 //! No `unsafe` (tests/tidy.rs): signals go through the `kill` command.
 
+mod common;
+
+use common::op_count;
 use std::{
     collections::BTreeSet,
     fs,
@@ -24,6 +27,14 @@ const VISIBLE_WITHIN: Duration = Duration::from_secs(2);
 const MOUNT_DEADLINE: Duration = Duration::from_secs(20);
 /// Long kernel timeouts on the observing mounts: only invalidation can refresh them.
 const LONG: &str = "60";
+const LONG_TIMEOUTS: [&str; 6] = [
+    "--entry-timeout",
+    LONG,
+    "--negative-timeout",
+    LONG,
+    "--attr-timeout",
+    LONG,
+];
 
 fn loud(msg: &str) {
     let _ = std::io::stderr().write_all(format!("{msg}\n").as_bytes());
@@ -213,21 +224,14 @@ fn stat_counter(mnt: &Path, name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// Requests of `op` the mount's daemon has served (`etcfs stats --json`).
-fn op_count(mnt: &Path, op: &str) -> u64 {
+/// The mount's daemon's `etcfs stats --json` report.
+fn stats_json(mnt: &Path) -> serde_json::Value {
     let out = Command::new(bin())
         .args(["stats", "--json"])
         .arg(mnt)
         .output()
         .expect("run etcfs stats");
-    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
-    stats["ops"]
-        .as_array()
-        .expect("ops is a list")
-        .iter()
-        .filter(|o| o["op"] == op)
-        .map(|o| o["count"].as_u64().expect("count is a number"))
-        .sum()
+    serde_json::from_slice(&out.stdout).expect("stats JSON")
 }
 
 /// Polls `f` until it holds or [`VISIBLE_WITHIN`] passes; returns how long it took.
@@ -256,15 +260,7 @@ fn changes_on_one_mount_are_visible_on_another_despite_long_kernel_timeouts() {
     };
     let mut c = Cluster::new(&etcd, "x");
     let a = c.mount("a", &[]);
-    let long = [
-        "--entry-timeout",
-        LONG,
-        "--negative-timeout",
-        LONG,
-        "--attr-timeout",
-        LONG,
-    ];
-    let b = c.mount("b", &long);
+    let b = c.mount("b", &LONG_TIMEOUTS);
 
     // Create: B looked the name up and cached its absence (kernel and daemon).
     for _ in 0..3 {
@@ -433,15 +429,7 @@ fn a_listing_kept_by_the_kernel_follows_name_changes_on_either_mount() {
     };
     let mut c = Cluster::new(&etcd, "ls");
     let a = c.mount("a", &[]);
-    let long = [
-        "--entry-timeout",
-        LONG,
-        "--negative-timeout",
-        LONG,
-        "--attr-timeout",
-        LONG,
-    ];
-    let b = c.mount("b", &long);
+    let b = c.mount("b", &LONG_TIMEOUTS);
     fs::create_dir(a.join("d")).expect("mkdir");
     for i in 0..300 {
         fs::write(a.join(format!("d/f{i}")), b"").expect("create");
@@ -459,7 +447,10 @@ fn a_listing_kept_by_the_kernel_follows_name_changes_on_either_mount() {
     };
     let mut want: BTreeSet<String> = (0..300).map(|i| format!("f{i}")).collect();
     within("the created names", || listing(&b) == want);
-    let reads = |m: &Path| op_count(m, "READDIR") + op_count(m, "READDIRPLUS");
+    let reads = |m: &Path| {
+        let stats = stats_json(m);
+        op_count(&stats, "READDIR") + op_count(&stats, "READDIRPLUS")
+    };
     let before = reads(&b);
     assert_eq!(listing(&b), want);
     assert_eq!(reads(&b), before, "a second listing reached the daemon");

@@ -27,8 +27,8 @@ use std::{
 };
 
 use common::{
-    can_run, errno_of, helper, is_mounted, lazy_umount, loud, mount_count, pattern, run_bounded,
-    sorted_names, temp_base, unescape_mountinfo, Daemon, DAEMON_DEADLINE, ETCFS,
+    can_run, errno_of, helper, is_mounted, lazy_umount, loud, mount_count, op_count, pattern,
+    run_bounded, sorted_names, temp_base, unescape_mountinfo, Daemon, DAEMON_DEADLINE, ETCFS,
 };
 
 /// A memfs mount (see `common::Daemon`).
@@ -151,16 +151,6 @@ fn load_loop(path: &Path, seed: u64, stop: &AtomicBool, ops: &AtomicU64, errors:
 // ---------------------------------------------------------------------------------------
 // Helpers for file checks
 // ---------------------------------------------------------------------------------------
-
-fn op_count(stats: &serde_json::Value, op: &str) -> u64 {
-    stats["ops"]
-        .as_array()
-        .expect("ops is a list")
-        .iter()
-        .filter(|o| o["op"] == op)
-        .map(|o| o["count"].as_u64().expect("count is a number"))
-        .sum()
-}
 
 // ---------------------------------------------------------------------------------------
 // Behaviours, each run on both transports

@@ -398,8 +398,8 @@ impl CacheLocks {
         }
         // Someone holds some of them: grant the free ones as the holders were read.
         let seen = first;
-        let (mut compares, mut free): (Vec<Compare>, Vec<(Ino, &[RangeRequest])>) =
-            (Vec::new(), Vec::new());
+        let (mut compares, mut free) = (Vec::new(), Vec::new());
+        let mut ops = shared.len();
         for ((ino, reads), r) in files.iter().zip(&seen.responses) {
             let TxnOpResponse::Range(r) = r else {
                 continue;
@@ -409,6 +409,11 @@ impl CacheLocks {
                 || !conflicting(&holders, self.me, LockMode::Shared).is_empty()
             {
                 continue;
+            }
+            // Its put, its wait's delete and its reads must fit beside the others'.
+            ops += 2 + reads.len();
+            if ops > crate::kv::ETCD_TXN_OPS_MAX {
+                break;
             }
             // The other holders as read, our own key left out (as in `acquire`): a grant
             // resent after its answer was lost grants again.
@@ -422,20 +427,11 @@ impl CacheLocks {
                     target: CompareTarget::ModRevision(seen.revision + 1),
                 });
             }
-            // This one's put, its wait's delete and its reads must fit beside the others.
-            let ops: usize = free.iter().map(|(_, r)| 2 + r.len()).sum::<usize>()
-                + shared.len()
-                + 2
-                + reads.len();
-            if ops > crate::kv::ETCD_TXN_OPS_MAX {
-                break;
-            }
             free.push((*ino, reads.as_slice()));
         }
         if free.is_empty() {
             return Ok(None);
         }
-        compares.truncate(2 * free.len());
         let resp = self
             .kv
             .txn_idempotent(Txn {

@@ -768,32 +768,26 @@ impl Inner {
         let keys = self.meta.keys().clone();
         let limit = i64::try_from(super::files::EXTENTS_CACHED_MAX).unwrap_or(i64::MAX);
         let sorted: Vec<u64> = claimed.iter().map(|(ino, _)| *ino).collect();
-        let groups = grant_groups(&sorted);
-        let chunks: Vec<Vec<Ino>> = groups
-            .iter()
-            .map(|g| {
-                sorted[g.files.clone()]
-                    .iter()
-                    .map(|&ino| Ino(ino))
-                    .collect()
-            })
+        // Each group's inodes, and whether their extents are read as one range.
+        let chunks: Vec<(bool, Vec<Ino>)> = grant_groups(&sorted)
+            .into_iter()
+            .map(|g| (g.close, sorted[g.files].iter().map(|&i| Ino(i)).collect()))
             .collect();
-        let tickets: Vec<_> = groups
+        let tickets: Vec<_> = chunks
             .iter()
-            .zip(&chunks)
-            .map(|(g, chunk)| {
+            .map(|(close, chunk)| {
                 let ask: Vec<(Ino, Vec<RangeRequest>)> = chunk
                     .iter()
                     .map(|&ino| {
                         let mut reads = vec![RangeRequest::key(keys.inode(ino))];
-                        if !g.close {
+                        if !close {
                             let e = keys.extents(ino);
                             reads.push(RangeRequest::range(e.start, e.end).limit(limit));
                         }
                         (ino, reads)
                     })
                     .collect();
-                let shared: Vec<RangeRequest> = match (g.close, chunk.first(), chunk.last()) {
+                let shared: Vec<RangeRequest> = match (close, chunk.first(), chunk.last()) {
                     (true, Some(&first), Some(&last)) => {
                         vec![
                             RangeRequest::range(keys.extents(first).start, keys.extents(last).end)
@@ -808,7 +802,7 @@ impl Inner {
             })
             .collect();
         let mut granted: HashMap<u64, (i64, Vec<RangeResponse>)> = HashMap::new();
-        for (t, chunk) in tickets.into_iter().zip(chunks) {
+        for (t, (_, chunk)) in tickets.into_iter().zip(chunks) {
             match t.and_then(|t| t.wait()) {
                 Ok(Some(g)) => {
                     let rev = g.revision;

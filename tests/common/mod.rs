@@ -1477,3 +1477,14 @@ impl Drop for EtcdCluster {
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Requests of `op` counted in an `etcfs stats --json` report.
+pub(crate) fn op_count(stats: &serde_json::Value, op: &str) -> u64 {
+    stats["ops"]
+        .as_array()
+        .expect("ops is a list")
+        .iter()
+        .filter(|o| o["op"] == op)
+        .map(|o| o["count"].as_u64().expect("count is a number"))
+        .sum()
+}
