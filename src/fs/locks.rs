@@ -266,13 +266,14 @@ fn least_recent(mut idle: Vec<(Option<Instant>, u64)>, n: usize) -> Vec<u64> {
 }
 
 /// Files granted in one transaction ([`CacheLocks::share_many`]): those with inodes
-/// close together have their extents read in one range (a put and a read each, 63 fit in
-/// etcd's 128 operations); others a read each for their extents (42 fit).
+/// close together have their inodes and their extents read in two ranges (a put each,
+/// 63 fit in etcd's 128 operations, the compares' bound); others two reads each (42 fit).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct GrantGroup {
     /// Indexes into the sorted inodes.
     files: std::ops::Range<usize>,
-    /// The extents are read as one range from the first inode's to the last's.
+    /// The inodes and the extents are read as two ranges from the first file's to the
+    /// last's.
     close: bool,
 }
 
@@ -300,10 +301,10 @@ fn grant_groups(sorted: &[u64]) -> Vec<GrantGroup> {
     groups
 }
 
-/// A range read of the extents of `inos` (and of any file between them), as one answer
-/// per file of `inos`. Files at or past the last key of an answer cut by its limit are
-/// marked `more` (their maps are not cached).
-fn split_extents(
+/// A range read of the inodes or the extents of `inos` (and of any file between them), as
+/// one answer per file of `inos`. Files at or past the last key of an answer cut by its
+/// limit are marked `more` (what is missing is read when used).
+fn split_span(
     keys: &meta::keys::Keyspace,
     span: &RangeResponse,
     inos: &[Ino],
@@ -320,7 +321,9 @@ fn split_extents(
         .collect();
     let mut last = 0;
     for kv in &span.kvs {
-        if let Some(meta::keys::KeyKind::Extent(ino, _)) = keys.parse(&kv.key) {
+        if let Some(meta::keys::KeyKind::Extent(ino, _) | meta::keys::KeyKind::Inode(ino)) =
+            keys.parse(&kv.key)
+        {
             if let Some(r) = out.get_mut(&ino.0) {
                 r.kvs.push(kv.clone());
                 r.count += 1;
@@ -779,17 +782,26 @@ impl Inner {
                 let ask: Vec<(Ino, Vec<RangeRequest>)> = chunk
                     .iter()
                     .map(|&ino| {
-                        let mut reads = vec![RangeRequest::key(keys.inode(ino))];
+                        let mut reads = Vec::new();
                         if !close {
                             let e = keys.extents(ino);
+                            reads.push(RangeRequest::key(keys.inode(ino)));
                             reads.push(RangeRequest::range(e.start, e.end).limit(limit));
                         }
                         (ino, reads)
                     })
                     .collect();
+                // A point read per inode was most of etcd's work in a cold `ls -l`
+                // after the lock puts (benches/listing.sh): one range answers a
+                // group of files created together.
                 let shared: Vec<RangeRequest> = match (close, chunk.first(), chunk.last()) {
                     (true, Some(&first), Some(&last)) => {
+                        let span = i64::try_from(last.0 - first.0 + 1).unwrap_or(i64::MAX);
+                        // The first key past the last inode's.
+                        let mut through = keys.inode(last);
+                        through.push(0);
                         vec![
+                            RangeRequest::range(keys.inode(first), through).limit(span),
                             RangeRequest::range(keys.extents(first).start, keys.extents(last).end)
                                 .limit(limit),
                         ]
@@ -806,14 +818,14 @@ impl Inner {
             match t.and_then(|t| t.wait()) {
                 Ok(Some(g)) => {
                     let rev = g.revision;
-                    let mut split = match g.shared.first() {
-                        Some(span) => split_extents(&keys, span, &chunk),
-                        None => HashMap::new(),
-                    };
+                    // In the order `fill_granted` reads them: the inode, the extents.
+                    let mut spans: Vec<_> = g
+                        .shared
+                        .iter()
+                        .map(|span| split_span(&keys, span, &chunk))
+                        .collect();
                     granted.extend(g.granted.into_iter().map(|(i, mut r)| {
-                        if let Some(extents) = split.remove(&i.0) {
-                            r.push(extents);
-                        }
+                        r.extend(spans.iter_mut().filter_map(|split| split.remove(&i.0)));
                         (i.0, (rev, r))
                     }));
                 }
@@ -1342,19 +1354,19 @@ mod tests {
             (grant_groups(&sparse), &sparse),
         ] {
             for g in g {
-                let reads = if g.close { 1 } else { 2 };
+                let reads = if g.close { 0 } else { 2 };
                 let files: Vec<(Ino, Vec<RangeRequest>)> = sorted[g.files.clone()]
                     .iter()
                     .map(|&i| (Ino(i), vec![RangeRequest::key(vec![]); reads]))
                     .collect();
-                let shared = vec![RangeRequest::key(vec![]); usize::from(g.close)];
+                let shared = vec![RangeRequest::key(vec![]); 2 * usize::from(g.close)];
                 assert!(meta::cachelock::share_many_fits(&files, &shared));
             }
         }
     }
 
     #[test]
-    fn one_range_of_extents_is_split_per_file_and_a_cut_marks_the_rest_unknown() {
+    fn one_range_of_inodes_or_extents_is_split_per_file_and_a_cut_marks_the_rest_unknown() {
         let keys = meta::keys::Keyspace::new("t").expect("prefix");
         let kv = |ino, off| meta::kv::KeyValue {
             key: keys.extent(Ino(ino), off),
@@ -1367,7 +1379,7 @@ mod tests {
             revision: 7,
         };
         let inos = [Ino(10), Ino(12), Ino(13)];
-        let split = split_extents(&keys, &span, &inos);
+        let split = split_span(&keys, &span, &inos);
         assert_eq!(
             split.len(),
             3,
@@ -1377,9 +1389,24 @@ mod tests {
         assert!(split[&12].kvs.is_empty() && !split[&12].more, "no blocks");
         assert_eq!(split[&13].revision, 7);
         let cut = RangeResponse { more: true, ..span };
-        let split = split_extents(&keys, &cut, &inos);
+        let split = split_span(&keys, &cut, &inos);
         assert!(!split[&10].more && !split[&12].more);
         assert!(split[&13].more, "may have more past the cut");
+        // Inodes read as one range split the same way.
+        let inode = |ino| meta::kv::KeyValue {
+            key: keys.inode(Ino(ino)),
+            ..Default::default()
+        };
+        let span = RangeResponse {
+            kvs: vec![inode(10), inode(11), inode(13)],
+            more: false,
+            count: 3,
+            revision: 7,
+        };
+        let split = split_span(&keys, &span, &inos);
+        assert_eq!(split[&10].kvs, vec![inode(10)]);
+        assert!(split[&12].kvs.is_empty(), "12 is gone");
+        assert_eq!(split[&13].kvs, vec![inode(13)]);
     }
 
     #[test]
