@@ -5,7 +5,10 @@
 # /proc), and etcd's own counters for the run (from its /metrics: range operations, puts,
 # transactions, bytes its Go runtime allocated). Medians of the runs are printed last.
 #
-#   benches/listing_cost.sh [--files N] [--rounds R] [--cmd "ls -l"] [--etcfs PATH]
+#   benches/listing_cost.sh [--files N] [--rounds R] [--cmd "ls -l"] [--etcfs PATH] [--stats]
+#
+# --stats: after each run, also the FUSE requests the daemon served and its nonzero
+# counters (`etcfs stats --json`).
 #
 # A private one-member etcd and a 1 GiB device image, one node. The etcfs binary may be a
 # wrapper script (to add mount options or environment); it must exec the daemon, whose
@@ -14,14 +17,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . benches/lib.sh
 
-files=20000 rounds=3 cmd="ls -l" etcfs=target/release/etcfs
+files=20000 rounds=3 cmd="ls -l" etcfs=target/release/etcfs stats=0
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--files) files="$2"; shift 2 ;;
 	--rounds) rounds="$2"; shift 2 ;;
 	--cmd) cmd="$2"; shift 2 ;;
 	--etcfs) etcfs="$2"; shift 2 ;;
-	-h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+	--stats) stats=1; shift ;;
+	-h | --help) sed -n '2,15p' "$0"; exit 0 ;;
 	*) echo "listing_cost.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
 	esac
 done
@@ -60,7 +64,8 @@ counters() {
 # delta NAME: how much etcd's counter NAME grew during the run.
 delta() {
 	local k=$1
-	echo $(($(awk -v k="$k" '$1 == k {printf "%d", $2}' "$work/m1") - $(awk -v k="$k" '$1 == k {printf "%d", $2}' "$work/m0")))
+	# %.0f: mawk's %d stops at 2^31, and etcd prints large counters as 1.2e+09.
+	echo $(($(awk -v k="$k" '$1 == k {printf "%.0f", $2}' "$work/m1") - $(awk -v k="$k" '$1 == k {printf "%.0f", $2}' "$work/m0")))
 }
 printf '%-5s %8s %9s %11s %10s %8s %6s %10s\n' run wall_s etcd_cpu daemon_cpu ranges puts txns alloc_MB
 : >"$work/table"
@@ -83,6 +88,15 @@ for r in $(seq "$rounds"); do
 		"$(delta etcd_mvcc_range_total)" "$(delta etcd_mvcc_put_total)" \
 		"$(delta etcd_mvcc_txn_total)" "$(($(delta go_memstats_alloc_bytes_total) / 1000000))" |
 		tee -a "$work/table"
+	[ "$stats" = 0 ] || "$etcfs" stats --json "$mnt" | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+ops = s.get("ops") or s.get("operations") or []
+if isinstance(ops, dict):
+    ops = [dict(o, op=k) if isinstance(o, dict) else {"op": k, "count": o} for k, o in ops.items()]
+print("  requests:", " ".join("%s=%s" % (o.get("op") or o.get("name"), o["count"]) for o in ops if o.get("count")))
+print("  counters:", " ".join("%s=%s" % kv for kv in s.get("counters", {}).items() if kv[1]))
+' >&2
 done
 median() { sort -n | awk '{a[NR] = $1} END {if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 printf '%-5s' median

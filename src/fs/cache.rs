@@ -67,8 +67,11 @@ pub(crate) struct CacheConfig {
     pub shards: usize,
 }
 
-/// Defaults (inodes, entries, names).
-pub(crate) const INODE_CACHE_MAX: usize = 65536;
+/// Defaults (inodes, entries, names). Inodes: as many as the locks a node keeps
+/// (`locks::LOCKS_MAX`): a file whose lock is held but whose attributes were pushed out
+/// is read from etcd again at its next use, one round trip each (at 65,536, `ls -l` of
+/// 100,000 files read most of them twice: benches/listing_cost.sh). About 200 bytes each.
+pub(crate) const INODE_CACHE_MAX: usize = super::locks::LOCKS_MAX;
 pub(crate) const DENTRY_CACHE_MAX: usize = 65536;
 pub(crate) const DIR_NAMES_CACHE_MAX: usize = 262_144;
 #[cfg_attr(
