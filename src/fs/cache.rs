@@ -72,7 +72,11 @@ pub(crate) struct CacheConfig {
 /// is read from etcd again at its next use, one round trip each (at 65,536, `ls -l` of
 /// 100,000 files read most of them twice: benches/listing_cost.sh). About 200 bytes each.
 pub(crate) const INODE_CACHE_MAX: usize = super::locks::LOCKS_MAX;
-pub(crate) const DENTRY_CACHE_MAX: usize = 65536;
+/// Entries: as many again. A directory over `DIR_NAMES_MAX` names is resolved name by
+/// name from these, filled a page at a time by listings; when they were fewer than the
+/// names a walk stats (`find -ls` of 100,000 files, in inode order), most lookups went
+/// to etcd one round trip each (185 s: benches/listing.sh). About 100 bytes each.
+pub(crate) const DENTRY_CACHE_MAX: usize = super::locks::LOCKS_MAX;
 pub(crate) const DIR_NAMES_CACHE_MAX: usize = 262_144;
 #[cfg_attr(
     not(test),
