@@ -42,7 +42,6 @@ etcd --name fsckbench --data-dir "$work/etcd" --listen-client-urls "$ep" \
 ETCD_PID=$!
 for _ in $(seq 100); do etcdctl --endpoints "$ep" endpoint health >/dev/null 2>&1 && break; sleep 0.1; done
 
-median() { sort -n | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 
 printf '%-10s %-10s %-12s %-14s %-14s %-6s\n' files keys populate_s fsck_wall_s peak_rss_MiB exit
 for n in $files_list; do

@@ -44,3 +44,6 @@ need() { # COMMAND PACKAGE
 		{ apt-get update -q >>"$WORK/apt.log" 2>&1 && apt-get install -y -q "$2" >>"$WORK/apt.log" 2>&1; } ||
 		die "cannot install $2 (see $WORK/apt.log)"
 }
+
+# median: the median of the numbers on stdin, one per line.
+median() { sort -n | awk '{a[NR] = $1} END {if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }

@@ -66,7 +66,6 @@ mkdir -p "$ext"
 mount "$loopdev" "$ext"
 
 die() { echo "listing.sh: $*" >&2; exit 1; }
-median() { sort -n | awk '{a[NR]=$1} END {if (NR % 2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
 # seconds CMD...: wall time of one run, output discarded.
 seconds() {
 	local t0

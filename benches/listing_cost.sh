@@ -98,7 +98,6 @@ print("  requests:", " ".join("%s=%s" % (o.get("op") or o.get("name"), o["count"
 print("  counters:", " ".join("%s=%s" % kv for kv in s.get("counters", {}).items() if kv[1]))
 ' >&2
 done
-median() { sort -n | awk '{a[NR] = $1} END {if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 printf '%-5s' median
 for c in 2 3 4 5 6 7 8; do
 	m=$(awk -v c="$c" '{print $c}' "$work/table" | median)
