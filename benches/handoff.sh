@@ -140,5 +140,6 @@ for n in a b c; do
 import json, sys
 c = json.load(sys.stdin)["counters"]
 print("node '"$n"': cache locks taken", c.get("cache_locks_taken"), "waits", c.get("cache_lock_waits"),
-      "released", c.get("cache_locks_released"), "downgraded", c.get("cache_locks_downgraded"))' || true
+      "released", c.get("cache_locks_released"), "downgraded", c.get("cache_locks_downgraded"),
+      "upgraded while being given up", c.get("cache_locks_upgraded_in_release"))' || true
 done

@@ -286,6 +286,8 @@ pub(crate) struct MissCounters {
     pub cache_lock_waits: AtomicU64,
     pub cache_locks_released: AtomicU64,
     pub cache_locks_downgraded: AtomicU64,
+    /// Shared locks upgraded by a WRITE while this node was giving them up.
+    pub cache_locks_upgraded_in_release: AtomicU64,
     /// Keys of ours deleted that this node did not know it held (late grants).
     pub cache_locks_strays: AtomicU64,
 }
@@ -923,6 +925,10 @@ impl Caches {
             (
                 "cache_locks_downgraded".into(),
                 l(&n.cache_locks_downgraded),
+            ),
+            (
+                "cache_locks_upgraded_in_release".into(),
+                l(&n.cache_locks_upgraded_in_release),
             ),
         ]
     }

@@ -42,10 +42,11 @@
 //! the range being invalidated when the mode still held covers it (the lock is still
 //! ours; the invalidation waits for its pages, then drops them), invalidating their
 //! ranges again after. Pages left out because an operation was waiting on them are
-//! invalidated once it has run ([`Job::InvalStale`]). A WRITE that arrives while this
-//! node gives up a *shared* lock cannot run (never a write without the exclusive lock)
-//! and may hold pages the invalidation waits for: it waits at most `INVAL_WAIT_MAX` (2 s)
-//! and then fails with EIO, the one case where a lock conflict is an error.
+//! invalidated once it has run ([`Job::InvalStale`]). A WRITE that arrives inside the
+//! range while this node gives up a *shared* lock may hold pages the invalidation waits
+//! for, and may not run under a shared lock: it upgrades the lock (still this node's) to
+//! exclusive and runs, and the release goes on as an exclusive one, writing back before
+//! the key goes.
 
 use std::{
     collections::HashMap,
@@ -53,7 +54,7 @@ use std::{
         AtomicUsize,
         Ordering::{Relaxed, SeqCst},
     },
-    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -80,8 +81,8 @@ pub(crate) const LOCKS_MAX: usize = 1 << 18;
 /// A holder unused this long gives way at once, whatever `--lock-min-hold-ms` says: the
 /// minimum hold is for a node in the middle of using the file.
 const IDLE_GIVES_WAY: Duration = Duration::from_millis(1);
-/// How long a write waits while this node gives up a shared lock whose page invalidation
-/// may be waiting for that write's pages.
+/// How long a write that arrived inside the pages this node invalidates to give up a
+/// shared lock tries to upgrade that lock (the invalidation may be waiting for its pages).
 const INVAL_WAIT_MAX: Duration = Duration::from_secs(2);
 /// How long an operation waits for another node to give a lock up before EIO. Longer
 /// than a lease, so a dead holder's lock has expired by then.
@@ -210,6 +211,22 @@ pub(crate) struct LockTable {
     /// bouncing the lock on every operation (GFS2 holds a glock 200 ms by default), and
     /// a node gives way sooner only when it has not used the lock for `IDLE_GIVES_WAY`.
     min_hold: Duration,
+}
+
+/// Runs `job` for each job of `rx` until the filesystem stops (or `rx` is closed).
+fn serve_jobs<T>(weak: &Weak<Inner>, rx: &Receiver<T>, mut job: impl FnMut(&Inner, T)) {
+    loop {
+        let j = match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(j) => j,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => match weak.upgrade() {
+                Some(i) if !i.stopping.load(std::sync::atomic::Ordering::Acquire) => continue,
+                _ => return,
+            },
+            Err(_) => return,
+        };
+        let Some(i) = weak.upgrade() else { return };
+        job(&i, j);
+    }
 }
 
 fn covers(ranges: &[Range], r: Range) -> bool {
@@ -630,7 +647,7 @@ impl Inner {
         let t = &self.locks;
         let e = t.entry(ino);
         let deadline = Instant::now() + ACQUIRE_WAIT_MAX;
-        let mut stuck: Option<Instant> = None;
+        let mut upgrading: Option<Instant> = None;
         let mut s = e.lock();
         let hold = |s: &mut State| {
             s.users += 1;
@@ -647,32 +664,36 @@ impl Inner {
                 return Err(Errno::EIO);
             }
             if s.releasing {
-                if let Some(r) = range {
-                    if covers(&s.inval, r) {
-                        if s.held.is_some_and(|h| h >= mode) {
-                            s.let_through.push(r);
-                            return Ok(hold(&mut s));
-                        }
-                        // A WRITE while this node gives up a shared lock: it may not run
-                        // (no write without the exclusive lock: found by
-                        // benches/handoff.sh, whose appenders lost records when one ran
-                        // under a shared lock being given up), and the invalidation may
-                        // be waiting for its pages. Bounded: EIO rather than a hang.
-                        let since = *stuck.get_or_insert_with(Instant::now);
-                        if since.elapsed() >= INVAL_WAIT_MAX {
-                            log::warn!(
-                                "inode {ino}: a write waited {} ms for this node to give its \
-                                 shared lock up; answering EIO",
-                                INVAL_WAIT_MAX.as_millis()
-                            );
-                            return Err(Errno::EIO);
-                        }
-                        s = self.wait_blocked(&e, s, range, INVAL_WAIT_MAX / 10);
-                        continue;
-                    }
+                let in_inval = range.is_some_and(|r| covers(&s.inval, r));
+                if in_inval && s.held.is_some_and(|h| h >= mode) {
+                    s.let_through.extend(range);
+                    return Ok(hold(&mut s));
                 }
-                s = self.wait_blocked(&e, s, range, RECHECK);
-                continue;
+                // A WRITE while this node gives up a shared lock: it may not run under it
+                // (found by benches/handoff.sh, whose appenders lost records when one
+                // did), and the invalidation may be waiting for its pages, so the release
+                // cannot finish before it does. It upgrades the lock, still ours, to
+                // exclusive instead, and runs; the release then goes on with an exclusive
+                // lock: writes back, then deletes the key. Waiting here for the release
+                // had to end in EIO (tests/cluster.rs: an O_APPEND writer got EIO in CI).
+                if !(in_inval && mode == LockMode::Exclusive) {
+                    s = self.wait_blocked(&e, s, range, RECHECK);
+                    continue;
+                }
+                // Bounded: two nodes giving up their shared locks of a file, each with
+                // such a write of its own, would wait for each other for good.
+                let since = *upgrading.get_or_insert_with(Instant::now);
+                if since.elapsed() >= INVAL_WAIT_MAX {
+                    drop(s);
+                    let _ = self
+                        .with_locks(move |l| Box::pin(async move { l.withdraw(Ino(ino)).await }));
+                    log::warn!(
+                        "inode {ino}: a write arrived while this node gave up its shared lock \
+                         and could not take it exclusive in {} ms; answering EIO",
+                        INVAL_WAIT_MAX.as_millis()
+                    );
+                    return Err(Errno::EIO);
+                }
             }
             if s.refreshing {
                 s = self.wait_blocked(&e, s, range, RECHECK);
@@ -732,6 +753,16 @@ impl Inner {
                         // size cached before it).
                         s.needs_refresh = true;
                         s = self.refresh_under(&e, s, ino, extra.map(|kv| (kv, revision)))?;
+                    }
+                    if s.releasing {
+                        self.caches
+                            .n
+                            .cache_locks_upgraded_in_release
+                            .fetch_add(1, Relaxed);
+                        log::debug!("inode {ino}: upgraded to exclusive while giving it up");
+                        // An upgrade during a release: let through only inside what is
+                        // being invalidated, like any other operation.
+                        continue;
                     }
                     return Ok(hold(&mut s));
                 }
@@ -979,30 +1010,36 @@ impl Inner {
         Ok(())
     }
 
-    /// Starts the lock thread, which gives locks up for other nodes.
+    /// Starts the lock thread, which gives locks up for other nodes, and the thread it
+    /// passes stale pages to.
     pub(super) fn start_lock_thread(self: &Arc<Self>) -> std::io::Result<JoinHandle<()>> {
         let rx = super::lock(&self.locks.jobs_rx)
             .take()
             .expect("one lock thread per filesystem");
         let weak = Arc::downgrade(self);
+        // Stale pages are invalidated on a thread of their own: the page an O_APPEND write
+        // left stale is where the node's next append locks its pages before it asks for
+        // the lock, so that invalidation can wait for a write that waits for another node
+        // to give way, while that node waits for this one to give way (found by
+        // tests/cluster.rs, two nodes each reading before appending: both lock threads
+        // stuck in the kernel's page invalidation, both writes waiting 30 s).
+        let (stale_tx, stale_rx) = bounded::<u64>(JOBS_MAX);
+        let stale = std::thread::Builder::new()
+            .name("etcfs-stale".into())
+            .spawn({
+                let weak = weak.clone();
+                move || serve_jobs(&weak, &stale_rx, |i, ino| i.inval_stale(ino))
+            })?;
         std::thread::Builder::new()
             .name("etcfs-locks".into())
-            .spawn(move || loop {
-                let job = match rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(j) => j,
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => match weak.upgrade() {
-                        Some(i) if !i.stopping.load(std::sync::atomic::Ordering::Acquire) => {
-                            continue
-                        }
-                        _ => return,
-                    },
-                    Err(_) => return,
-                };
-                let Some(i) = weak.upgrade() else { return };
-                match job {
+            .spawn(move || {
+                serve_jobs(&weak, &rx, move |i, job| match job {
                     Job::GiveWay(ino) => i.give_way(ino),
-                    Job::InvalStale(ino) => i.inval_stale(ino),
-                }
+                    Job::InvalStale(ino) => {
+                        let _ = stale_tx.try_send(ino);
+                    }
+                });
+                let _ = stale.join();
             })
     }
 
@@ -1099,7 +1136,18 @@ impl Inner {
             }
             return;
         }
-        let left_out = self.invalidate_for_release(&e, ino, held);
+        let left_out = self.invalidate_for_release(&e, ino);
+        if held == LockMode::Shared && e.lock().held == Some(LockMode::Exclusive) {
+            // Upgraded meanwhile by a WRITE the invalidation waited for: what it wrote
+            // goes to etcd and the device before the lock goes.
+            if let Err(err) = self.write_back(ino) {
+                log::warn!("inode {ino}: keeping the lock, writing back failed: {err}");
+                give_back(&e, want);
+                std::thread::sleep(RECHECK);
+                self.lock_job(Job::GiveWay(ino));
+                return;
+            }
+        }
 
         self.caches.forget_attr(ino);
         self.caches.forget_blocks(ino);
@@ -1130,7 +1178,7 @@ impl Inner {
 
     /// The kernel drops the file's pages and attributes, around the pages of operations
     /// waiting for the lock; returns those left out. Holds `releasing` throughout.
-    fn invalidate_for_release(&self, e: &Entry, ino: u64, held: LockMode) -> Vec<Range> {
+    fn invalidate_for_release(&self, e: &Entry, ino: u64) -> Vec<Range> {
         let blocked: Vec<Range> = e.lock().blocked.clone();
         let mut ranges = around(&blocked);
         loop {
@@ -1154,7 +1202,8 @@ impl Inner {
                 break;
             }
             ranges = ranges.into_iter().map(pages).collect();
-            if held == LockMode::Exclusive {
+            // Exclusive also when a WRITE let through upgraded a shared lock.
+            if e.lock().held == Some(LockMode::Exclusive) {
                 if let Err(err) = self.write_back(ino) {
                     log::warn!("inode {ino}: writing back before giving its lock up: {err}");
                 }

@@ -557,6 +557,13 @@ pub(crate) const DESCS: &[Desc] = &[
         &[],
         "Cluster cache locks this node downgraded from exclusive to shared.",
     ),
+    counter(
+        "cache_locks_upgraded_in_release",
+        "etcfs_cache_lock_release_upgrades",
+        &[],
+        "Shared cluster cache locks upgraded to exclusive by a write that arrived while this \
+         node was giving them up (the release's page invalidation waited for its pages).",
+    ),
     gauge(
         "cache_locks_known",
         "etcfs_cache_locks",

@@ -377,7 +377,11 @@ impl Daemon {
             .arg("--foreground")
             .args(args)
             .arg(mnt)
-            .env("RUST_LOG", "info")
+            // ETCFS_TEST_LOG (e.g. "debug") when a failure needs the daemons' detail.
+            .env(
+                "RUST_LOG",
+                std::env::var("ETCFS_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().expect("dup log fd"))
             .stderr(log_file)
