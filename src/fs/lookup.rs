@@ -4,6 +4,12 @@
 
 use super::*;
 
+/// Extent-map reads one READDIRPLUS puts on etcd at once. Normally the listing's lock
+/// grants have read them already; when they had not (caches evicted, the bug fixed in
+/// 08f2ddf), a page needed ~190 at once, which on a loaded etcd timed out, were resent,
+/// and made h2 reset the connection (`too_many_internal_resets`), breaking the watch.
+const BLOCK_READS_IN_FLIGHT: usize = 32;
+
 impl Inner {
     /// Reads an inode's attributes from etcd (blocking a waiter thread) and caches them.
     pub(super) fn get_attr(&self, ino: u64) -> Result<InodeAttr, Errno> {
@@ -62,8 +68,15 @@ impl Inner {
     }
 
     /// [`Inner::file_blocks`] of several inodes (a READDIRPLUS page), their extents read
-    /// from etcd concurrently.
+    /// from etcd concurrently, at most [`BLOCK_READS_IN_FLIGHT`] at once.
     pub(super) fn files_blocks(&self, attrs: &[&InodeAttr]) -> Vec<Result<Option<u64>, Errno>> {
+        attrs
+            .chunks(BLOCK_READS_IN_FLIGHT)
+            .flat_map(|chunk| self.files_blocks_at_once(chunk))
+            .collect()
+    }
+
+    fn files_blocks_at_once(&self, attrs: &[&InodeAttr]) -> Vec<Result<Option<u64>, Errno>> {
         type Read =
             Result<meta::pipeline::ticket::Ticket<(Vec<meta::codec::Extent>, bool)>, MetaError>;
         let gen = self.caches.blocks_gen();

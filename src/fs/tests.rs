@@ -2570,3 +2570,32 @@ fn a_read_only_mount_refuses_changes_and_writes_nothing_of_its_own() {
         "a read-only mount changed the filesystem's records"
     );
 }
+
+/// A READDIRPLUS page's block counts are read in waves of `BLOCK_READS_IN_FLIGHT` (one
+/// page all at once overran a loaded etcd): every file still gets its own count, in order.
+#[test]
+fn block_counts_of_a_page_read_in_waves_match_each_file() {
+    let mut fx = Fx::new();
+    let mut files = Vec::new();
+    for i in 0..80u8 {
+        let (ino, fh) = fx.create(ROOT, format!("f{i:02}").as_bytes());
+        // Sizes from empty to 20 blocks, so a shifted answer shows.
+        fx.write(ino, fh, 0, &pattern(i, usize::from(i % 21) * 4096));
+        fx.release(ino, fh);
+        files.push((ino, u64::from(i % 21) * 8));
+    }
+    let inner = fx.fs.inner();
+    let attrs: Vec<meta::codec::InodeAttr> = files
+        .iter()
+        .map(|&(ino, _)| {
+            inner.caches.forget_blocks(ino);
+            inner.get_attr(ino).expect("attr")
+        })
+        .collect();
+    let refs: Vec<&meta::codec::InodeAttr> = attrs.iter().collect();
+    let got = inner.files_blocks(&refs);
+    assert_eq!(got.len(), files.len());
+    for ((ino, want), b) in files.iter().zip(got) {
+        assert_eq!(b, Ok(Some(*want)), "inode {ino}");
+    }
+}
