@@ -101,6 +101,6 @@ done
 printf '%-5s' median
 for c in 2 3 4 5 6 7 8; do
 	m=$(awk -v c="$c" '{print $c}' "$work/table" | median)
-	if [ "$c" -le 4 ]; then printf ' %8.3f' "$m"; else printf ' %8d' "$m"; fi
+	if [ "$c" -le 4 ]; then printf ' %8.3f' "$m"; else printf ' %8.0f' "$m"; fi
 done
 echo

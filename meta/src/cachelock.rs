@@ -140,11 +140,30 @@ pub enum Acquired {
 }
 
 /// Whether [`CacheLocks::share_many`] can grant `files` (with the group's `shared` reads)
-/// in one transaction: a put and the reads of each, the shared reads, and two compares
-/// each, within etcd's `--max-txn-ops`.
-pub fn share_many_fits(files: &[(Ino, Vec<RangeRequest>)], shared: &[RangeRequest]) -> bool {
+/// in one transaction: a put and the reads of each, the shared reads, a read of each
+/// one's holders should it fail, and a compare per span of `free` (two per file without
+/// them), within etcd's `--max-txn-ops`.
+pub fn share_many_fits(
+    files: &[(Ino, Vec<RangeRequest>)],
+    shared: &[RangeRequest],
+    free: &[(Ino, Ino)],
+) -> bool {
+    let max = crate::kv::ETCD_TXN_OPS_MAX;
     let ops: usize = files.iter().map(|(_, r)| 1 + r.len()).sum::<usize>() + shared.len();
-    ops <= crate::kv::ETCD_TXN_OPS_MAX && 2 * files.len() <= crate::kv::ETCD_TXN_OPS_MAX
+    let compares = if covers_all(free, files) {
+        free.len()
+    } else {
+        2 * files.len()
+    };
+    ops <= max && files.len() <= max && compares <= max
+}
+
+/// Whether every file lies in one of the inclusive spans of `free` (none: false).
+fn covers_all(free: &[(Ino, Ino)], files: &[(Ino, Vec<RangeRequest>)]) -> bool {
+    !free.is_empty()
+        && files
+            .iter()
+            .all(|(i, _)| free.iter().any(|(a, b)| a.0 <= i.0 && i.0 <= b.0))
 }
 
 /// What [`CacheLocks::share_many`] granted.
@@ -352,13 +371,19 @@ impl CacheLocks {
     /// grants nothing: their own operations take them one at a time. `None` too when the
     /// files' ops pass [`share_many_fits`]. `shared`: reads for the whole group (the
     /// extents of a run of neighbouring inodes in one range: a read per file was a third
-    /// of the etcd operations of a cold `ls -l`), done with the grant.
+    /// of the etcd operations of a cold `ls -l`), done with the grant. `free`: inclusive
+    /// spans of inode numbers in which the caller holds no lock, together covering the
+    /// files: the first transaction then compares that each span has no lock key at all,
+    /// a compare per span instead of two per file (stronger; a key of ours there, say from
+    /// a grant applied with its answer lost, sends it to the second transaction). Files
+    /// outside them: two compares each, as without.
     pub async fn share_many(
         &self,
         files: &[(Ino, Vec<RangeRequest>)],
         shared: &[RangeRequest],
+        free: &[(Ino, Ino)],
     ) -> Result<Option<SharedMany>, MetaError> {
-        if files.is_empty() || !share_many_fits(files, shared) {
+        if files.is_empty() || !share_many_fits(files, shared, free) {
             return Ok(None);
         }
         let holders_of = |ino: Ino| {
@@ -369,17 +394,28 @@ impl CacheLocks {
         // known: a grant resent after its answer was lost grants again). Reading the
         // holders takes a round trip that etcd spent most of a cold `ls -l` on
         // (benches/listing.sh); this node's own listings find them free.
-        let compares = files
-            .iter()
-            .flat_map(|(ino, _)| {
-                let range = self.keys.cache_locks(*ino);
-                let mine = self.keys.cache_lock(*ino, self.me);
-                [
-                    Compare::range_empty(range.start, mine.clone()),
-                    Compare::range_empty(after(&mine), range.end),
-                ]
-            })
-            .collect();
+        let compares = if covers_all(free, files) {
+            free.iter()
+                .map(|(first, last)| {
+                    Compare::range_empty(
+                        self.keys.cache_locks(*first).start,
+                        self.keys.cache_locks(*last).end,
+                    )
+                })
+                .collect()
+        } else {
+            files
+                .iter()
+                .flat_map(|(ino, _)| {
+                    let range = self.keys.cache_locks(*ino);
+                    let mine = self.keys.cache_lock(*ino, self.me);
+                    [
+                        Compare::range_empty(range.start, mine.clone()),
+                        Compare::range_empty(after(&mine), range.end),
+                    ]
+                })
+                .collect()
+        };
         let all: Vec<(Ino, &[RangeRequest])> =
             files.iter().map(|(i, r)| (*i, r.as_slice())).collect();
         let first = self
@@ -404,10 +440,15 @@ impl CacheLocks {
             let TxnOpResponse::Range(r) = r else {
                 continue;
             };
+            // A shared key of ours here is one the caller does not know it holds (it
+            // asks for files it does not hold): most likely the first transaction,
+            // applied with its answer lost. Granted again, it becomes one it knows. An
+            // exclusive one is never turned shared here.
             let holders = self.holders(r);
-            if holders.iter().any(|(s, _)| *s == self.me)
-                || !conflicting(&holders, self.me, LockMode::Shared).is_empty()
-            {
+            let mine_exclusive = holders
+                .iter()
+                .any(|(s, m)| *s == self.me && *m != Some(LockMode::Shared));
+            if mine_exclusive || !conflicting(&holders, self.me, LockMode::Shared).is_empty() {
                 continue;
             }
             // Its put, its wait's delete and its reads must fit beside the others'.
@@ -704,27 +745,38 @@ mod tests {
         let (etcd, _, keys, a, b) = two_sessions();
         block_on(async {
             use LockMode::*;
-            // 1: b writes it; 2: b reads it; 3: free; 4: a holds it already.
-            for (ino, who, mode) in [(1, &b, Exclusive), (2, &b, Shared), (4, &a, Shared)] {
+            // 1: b writes it; 2: b reads it; 3: free; 4: a shares it already (a grant
+            // a does not know of); 5: a writes it.
+            for (ino, who, mode) in [
+                (1, &b, Exclusive),
+                (2, &b, Shared),
+                (4, &a, Shared),
+                (5, &a, Exclusive),
+            ] {
                 assert!(matches!(
                     who.acquire(Ino(ino), mode, None, None).await,
                     Ok(Acquired::Granted { .. })
                 ));
             }
             etcd.put_raw(&keys.inode(Ino(3)), b"attrs of 3");
-            let ask: Vec<(Ino, Vec<RangeRequest>)> = (1..=4)
+            let ask: Vec<(Ino, Vec<RangeRequest>)> = (1..=5)
                 .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
                 .collect();
             let got = a
-                .share_many(&ask, &[])
+                .share_many(&ask, &[], &[])
                 .await
                 .expect("share")
                 .expect("granted");
             let inos: Vec<u64> = got.granted.iter().map(|(i, _)| i.0).collect();
-            assert_eq!(inos, [2, 3]);
+            assert_eq!(inos, [2, 3, 4]);
             let value = |n: usize| got.granted[n].1[0].kvs.first().map(|kv| kv.value.clone());
             assert_eq!(value(1), Some(b"attrs of 3".to_vec()));
             assert_eq!(value(0), None, "no inode record put for 2");
+            // a's exclusive lock of 5 was left as it was: b may not even read.
+            assert!(matches!(
+                b.acquire(Ino(5), Shared, None, None).await,
+                Ok(Acquired::Busy { .. })
+            ));
             // Held shared by a now: b's exclusive request must wait for a.
             assert!(matches!(
                 b.acquire(Ino(3), Exclusive, None, None).await,
@@ -734,8 +786,8 @@ mod tests {
             let many: Vec<(Ino, Vec<RangeRequest>)> = (10..80)
                 .map(|i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
                 .collect();
-            assert!(!share_many_fits(&many, &[]));
-            assert_eq!(a.share_many(&many, &[]).await.expect("share"), None);
+            assert!(!share_many_fits(&many, &[], &[]));
+            assert_eq!(a.share_many(&many, &[], &[]).await.expect("share"), None);
         });
     }
 
@@ -752,7 +804,7 @@ mod tests {
                 .collect();
             let before = etcd.txn_count();
             let got = a
-                .share_many(&ask, &[])
+                .share_many(&ask, &[], &[])
                 .await
                 .expect("share")
                 .expect("granted");
@@ -770,7 +822,7 @@ mod tests {
             // The same grant sent again (its first answer lost) grants again, leaving one
             // key per file.
             let again = a
-                .share_many(&ask, &[])
+                .share_many(&ask, &[], &[])
                 .await
                 .expect("share")
                 .expect("granted");
@@ -792,12 +844,105 @@ mod tests {
             ));
             let before = etcd.txn_count();
             let got = a
-                .share_many(&ask, &[])
+                .share_many(&ask, &[], &[])
                 .await
                 .expect("share")
                 .expect("granted");
             assert_eq!(etcd.txn_count() - before, 2);
             assert_eq!(got.granted.len(), 3);
+        });
+    }
+
+    #[test]
+    fn share_many_of_a_whole_free_span_takes_one_compare_and_falls_back_on_any_key_in_it() {
+        let (etcd, _, keys, a, b) = two_sessions();
+        block_on(async {
+            use LockMode::*;
+            let ask = |inos: &[u64]| -> Vec<(Ino, Vec<RangeRequest>)> {
+                inos.iter()
+                    .map(|&i| (Ino(i), vec![RangeRequest::key(keys.inode(Ino(i)))]))
+                    .collect()
+            };
+            // Nobody holds 1..=3: one transaction, one compare.
+            let before = etcd.txn_count();
+            let got = a
+                .share_many(&ask(&[1, 2, 3]), &[], &[(Ino(1), Ino(3))])
+                .await
+                .expect("share")
+                .expect("granted");
+            assert_eq!(etcd.txn_count() - before, 1);
+            assert_eq!(got.granted.len(), 3);
+            // Sent again (its first answer lost): our keys fail the span's compare, and
+            // the second transaction grants them again, one key per file.
+            let again = a
+                .share_many(&ask(&[1, 2, 3]), &[], &[(Ino(1), Ino(3))])
+                .await
+                .expect("share")
+                .expect("granted");
+            let inos: Vec<u64> = again.granted.iter().map(|(i, _)| i.0).collect();
+            assert_eq!(inos, [1, 2, 3]);
+            for i in 1..=3 {
+                let held = keys.cache_locks(Ino(i));
+                assert_eq!(etcd.dump(&held.start, &held.end).len(), 1, "inode {i}");
+            }
+            // b writes 6, which lies between the files asked for (5 and 7) but is not one
+            // of them: the span is not free, and the second transaction still grants both.
+            assert!(matches!(
+                b.acquire(Ino(6), Exclusive, None, None).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            let before = etcd.txn_count();
+            let got = a
+                .share_many(&ask(&[5, 7]), &[], &[(Ino(5), Ino(7))])
+                .await
+                .expect("share")
+                .expect("granted");
+            assert_eq!(etcd.txn_count() - before, 2);
+            let inos: Vec<u64> = got.granted.iter().map(|(i, _)| i.0).collect();
+            assert_eq!(inos, [5, 7]);
+            // And b's writer of 7 now waits for a.
+            assert!(matches!(
+                b.acquire(Ino(7), Exclusive, None, None).await,
+                Ok(Acquired::Busy { .. })
+            ));
+            // a holds 11 itself: spans around it still take one transaction.
+            assert!(matches!(
+                a.acquire(Ino(11), Exclusive, None, None).await,
+                Ok(Acquired::Granted { .. })
+            ));
+            let before = etcd.txn_count();
+            let got = a
+                .share_many(
+                    &ask(&[10, 12]),
+                    &[],
+                    &[(Ino(10), Ino(10)), (Ino(12), Ino(12))],
+                )
+                .await
+                .expect("share")
+                .expect("granted");
+            assert_eq!(etcd.txn_count() - before, 1);
+            assert_eq!(got.granted.len(), 2);
+            // A file outside the spans: two compares each, as without spans.
+            let before = etcd.txn_count();
+            let got = a
+                .share_many(&ask(&[20, 30]), &[], &[(Ino(20), Ino(25))])
+                .await
+                .expect("share")
+                .expect("granted");
+            assert_eq!(etcd.txn_count() - before, 1);
+            assert_eq!(got.granted.len(), 2);
+            // 126 files fit one transaction with one compare, not with two each.
+            let many: Vec<(Ino, Vec<RangeRequest>)> =
+                (100..226).map(|i| (Ino(i), Vec::new())).collect();
+            let span = [(Ino(100), Ino(225))];
+            assert!(share_many_fits(&many, &[], &span));
+            assert!(!share_many_fits(&many, &[], &[]));
+            let got = a
+                .share_many(&many, &[], &span)
+                .await
+                .expect("share")
+                .expect("granted");
+            assert_eq!(got.granted.len(), 126);
         });
     }
 
@@ -816,7 +961,7 @@ mod tests {
             };
             let shared = [span.clone()];
             let got = a
-                .share_many(&ask(1, 2), &shared)
+                .share_many(&ask(1, 2), &shared, &[])
                 .await
                 .expect("share")
                 .expect("granted");
@@ -833,7 +978,7 @@ mod tests {
                 Ok(Acquired::Granted { .. })
             ));
             let got = a
-                .share_many(&ask(3, 4), &shared)
+                .share_many(&ask(3, 4), &shared, &[])
                 .await
                 .expect("share")
                 .expect("granted");

@@ -283,8 +283,10 @@ fn least_recent(mut idle: Vec<(Option<Instant>, u64)>, n: usize) -> Vec<u64> {
 }
 
 /// Files granted in one transaction ([`CacheLocks::share_many`]): those with inodes
-/// close together have their inodes and their extents read in two ranges (a put each,
-/// 63 fit in etcd's 128 operations, the compares' bound); others two reads each (42 fit).
+/// close together have their inodes and their extents read in two ranges, and a compare
+/// per run of inode numbers without a lock of this node stands for two per file (a put
+/// each: 126 fit in etcd's 128 operations); others two reads each and two compares (42
+/// fit).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct GrantGroup {
     /// Indexes into the sorted inodes.
@@ -292,30 +294,63 @@ struct GrantGroup {
     /// The inodes and the extents are read as two ranges from the first file's to the
     /// last's.
     close: bool,
+    /// Close: the inclusive runs of inode numbers, from file to file, in which this node
+    /// holds no lock; together they cover the files.
+    free: Vec<(u64, u64)>,
 }
 
-const GROUP_CLOSE_MAX: usize = 63;
+const GROUP_CLOSE_MAX: usize = 126;
 const GROUP_APART_MAX: usize = 42;
 /// Close: the inodes span at most this many numbers per file (so the range read holds
 /// few other files' extents: a directory whose files were created together).
 const CLOSE_SPAN_PER_FILE: u64 = 4;
 
-/// Groups the sorted inodes of a listing for [`Inner::share_listed`].
-fn grant_groups(sorted: &[u64]) -> Vec<GrantGroup> {
+/// Groups the sorted inodes of a listing for [`Inner::share_listed`]. `held(ino)`: this
+/// node holds the lock of `ino`.
+fn grant_groups(sorted: &[u64], held: impl Fn(u64) -> bool) -> Vec<GrantGroup> {
+    let close = |files: &[u64]| {
+        let span = files[files.len() - 1] - files[0];
+        span < CLOSE_SPAN_PER_FILE * files.len() as u64
+    };
     let mut groups = Vec::new();
     let mut at = 0;
     while at < sorted.len() {
-        let n = (sorted.len() - at).min(GROUP_CLOSE_MAX);
-        let span = sorted[at + n - 1] - sorted[at];
-        let close = span < CLOSE_SPAN_PER_FILE * n as u64;
-        let n = if close { n } else { n.min(GROUP_APART_MAX) };
-        groups.push(GrantGroup {
-            files: at..at + n,
-            close,
-        });
-        at += n;
+        let left = sorted.len() - at;
+        let dense = [GROUP_CLOSE_MAX, GROUP_CLOSE_MAX / 2]
+            .into_iter()
+            .map(|n| &sorted[at..at + left.min(n)])
+            .find(|files| close(files));
+        let group = match dense {
+            Some(files) => GrantGroup {
+                files: at..at + files.len(),
+                close: true,
+                free: free_runs(files, &held),
+            },
+            None => GrantGroup {
+                files: at..at + left.min(GROUP_APART_MAX),
+                close: false,
+                free: Vec::new(),
+            },
+        };
+        at = group.files.end;
+        groups.push(group);
     }
     groups
+}
+
+/// The runs of `files` (sorted) with no inode `held` between neighbours, each as its first
+/// and last file.
+fn free_runs(files: &[u64], held: impl Fn(u64) -> bool) -> Vec<(u64, u64)> {
+    let mut runs = Vec::new();
+    let mut start = files[0];
+    for pair in files.windows(2) {
+        if (pair[0] + 1..pair[1]).any(&held) {
+            runs.push((start, pair[0]));
+            start = pair[1];
+        }
+    }
+    runs.push((start, files[files.len() - 1]));
+    runs
 }
 
 /// A range read of the inodes or the extents of `inos` (and of any file between them), as
@@ -803,13 +838,20 @@ impl Inner {
         let limit = i64::try_from(super::files::EXTENTS_CACHED_MAX).unwrap_or(i64::MAX);
         let sorted: Vec<u64> = claimed.iter().map(|(ino, _)| *ino).collect();
         // Each group's inodes, and whether their inodes and extents are read as ranges.
-        let chunks: Vec<(bool, Vec<Ino>)> = grant_groups(&sorted)
+        let held = |ino: u64| self.locks.held(ino).is_some();
+        let chunks: Vec<(GrantGroup, Vec<Ino>)> = grant_groups(&sorted, held)
             .into_iter()
-            .map(|g| (g.close, sorted[g.files].iter().map(|&i| Ino(i)).collect()))
+            .map(|g| {
+                let inos = sorted[g.files.clone()].iter().map(|&i| Ino(i)).collect();
+                (g, inos)
+            })
             .collect();
         let tickets: Vec<_> = chunks
             .iter()
-            .map(|(close, chunk)| {
+            .map(|(group, chunk)| {
+                let close = group.close;
+                let free: Vec<(Ino, Ino)> =
+                    group.free.iter().map(|&(a, b)| (Ino(a), Ino(b))).collect();
                 let ask: Vec<(Ino, Vec<RangeRequest>)> = chunk
                     .iter()
                     .map(|&ino| {
@@ -837,8 +879,9 @@ impl Inner {
                     _ => Vec::new(),
                 };
                 let l = l.clone();
-                self.meta
-                    .read(move |_, _| Box::pin(async move { l.share_many(&ask, &shared).await }))
+                self.meta.read(move |_, _| {
+                    Box::pin(async move { l.share_many(&ask, &shared, &free).await })
+                })
             })
             .collect();
         let mut granted: HashMap<u64, (i64, Vec<RangeResponse>)> = HashMap::new();
@@ -1374,30 +1417,45 @@ mod tests {
 
     #[test]
     fn a_listings_files_are_granted_in_groups_that_fit_a_transaction() {
-        // Created together: 63 a transaction, extents read as one range.
+        let none = |_: u64| false;
+        // Created together, nothing held between them: 126 a transaction, one compare,
+        // extents read as one range.
         let dense: Vec<u64> = (1000..1200).collect();
-        let g = grant_groups(&dense);
+        let g = grant_groups(&dense, none);
         assert_eq!(g.iter().map(|g| g.files.len()).sum::<usize>(), 200);
-        assert!(g
-            .iter()
-            .all(|g| g.close && g.files.len() <= GROUP_CLOSE_MAX));
-        assert_eq!(g[0].files, 0..63);
+        assert!(g.iter().all(|g| g.close && g.free.len() == 1));
+        assert_eq!(g[0].files, 0..GROUP_CLOSE_MAX);
+        assert_eq!(g[0].free, [(1000, 1125)]);
+        // Every other inode, with this node holding some of those between: a compare per
+        // run between them.
+        let every_other: Vec<u64> = (0..200).map(|i| 1000 + 2 * i).collect();
+        let held = |ino: u64| ino == 1011 || ino == 1051;
+        let g = grant_groups(&every_other, held);
+        assert_eq!(g[0].free, [(1000, 1010), (1012, 1050), (1052, 1250)]);
+        // Denser than 4 a file only in a smaller group: 63.
+        let mut thinning: Vec<u64> = (0..63).collect();
+        thinning.extend((0..100).map(|i| 1000 + 10 * i));
+        let g = grant_groups(&thinning, none);
+        assert_eq!((g[0].files.clone(), g[0].close), (0..63, true));
         // Far apart: 42 a transaction, a read each.
         let sparse: Vec<u64> = (0..100).map(|i| i * 1000).collect();
-        let g = grant_groups(&sparse);
+        let g = grant_groups(&sparse, none);
         assert_eq!(
             g[0],
             GrantGroup {
                 files: 0..42,
-                close: false
+                close: false,
+                free: Vec::new(),
             }
         );
         assert_eq!(g.iter().map(|g| g.files.len()).sum::<usize>(), 100);
-        assert!(grant_groups(&[]).is_empty());
+        assert!(grant_groups(&[], none).is_empty());
         // Every group fits etcd's limits, as share_many checks.
         for (g, sorted) in [
-            (grant_groups(&dense), &dense),
-            (grant_groups(&sparse), &sparse),
+            (grant_groups(&dense, none), &dense),
+            (grant_groups(&every_other, held), &every_other),
+            (grant_groups(&thinning, none), &thinning),
+            (grant_groups(&sparse, none), &sparse),
         ] {
             for g in g {
                 let reads = if g.close { 0 } else { 2 };
@@ -1406,7 +1464,8 @@ mod tests {
                     .map(|&i| (Ino(i), vec![RangeRequest::key(vec![]); reads]))
                     .collect();
                 let shared = vec![RangeRequest::key(vec![]); 2 * usize::from(g.close)];
-                assert!(meta::cachelock::share_many_fits(&files, &shared));
+                let free: Vec<(Ino, Ino)> = g.free.iter().map(|&(a, b)| (Ino(a), Ino(b))).collect();
+                assert!(meta::cachelock::share_many_fits(&files, &shared, &free));
             }
         }
     }
