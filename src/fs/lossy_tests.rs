@@ -309,6 +309,18 @@ fn a_late_grant_of_a_lock_this_node_does_not_hold_is_deleted() {
     let late = meta::cachelock::CacheLock {
         mode: meta::cachelock::LockMode::Shared,
     };
+    // A's watch starts from the revision it reads when it starts: a key put before that
+    // (a loaded machine can start the thread late) is never seen, and never deleted.
+    // Failed so with two runs of every unit test at once, before any change of the
+    // lock code; a watch that is live sees it.
+    let t0 = std::time::Instant::now();
+    while counter(&a, "watch_live") != 1 {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "A's watch not live in 30 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     a.kv.put_raw(&key(ino), &meta::codec::Record::encode(&late));
     let t0 = std::time::Instant::now();
     // Housekeeping's pace, with room for a machine running every unit test at once (5 s
