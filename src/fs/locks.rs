@@ -1147,13 +1147,20 @@ impl Inner {
             drop(s);
             e.cv.notify_all();
         };
-        if held == LockMode::Exclusive {
-            if let Err(err) = self.write_back(ino) {
-                // Not giving it up: what is written behind would be lost to the asker.
+        // Not giving it up when this fails: what is written behind would be lost to the
+        // asker. The release is tried again later.
+        let written_back = || match self.write_back(ino) {
+            Ok(()) => true,
+            Err(err) => {
                 log::warn!("inode {ino}: keeping the lock, writing back failed: {err}");
                 give_back(&e, want);
                 std::thread::sleep(RECHECK);
                 self.lock_job(Job::GiveWay(ino));
+                false
+            }
+        };
+        if held == LockMode::Exclusive {
+            if !written_back() {
                 return;
             }
         } else {
@@ -1180,16 +1187,11 @@ impl Inner {
             return;
         }
         let left_out = self.invalidate_for_release(&e, ino);
-        if held == LockMode::Shared && e.lock().held == Some(LockMode::Exclusive) {
-            // Upgraded meanwhile by a WRITE the invalidation waited for: what it wrote
-            // goes to etcd and the device before the lock goes.
-            if let Err(err) = self.write_back(ino) {
-                log::warn!("inode {ino}: keeping the lock, writing back failed: {err}");
-                give_back(&e, want);
-                std::thread::sleep(RECHECK);
-                self.lock_job(Job::GiveWay(ino));
-                return;
-            }
+        // Upgraded meanwhile by a WRITE the invalidation waited for: what it wrote goes to
+        // etcd and the device before the lock goes.
+        let upgraded = held == LockMode::Shared && e.lock().held == Some(LockMode::Exclusive);
+        if upgraded && !written_back() {
+            return;
         }
 
         self.caches.forget_attr(ino);
@@ -1386,7 +1388,6 @@ impl Inner {
                 Ok(false) => {}
                 Err(err) => {
                     log::warn!("inode {ino}: deleting an unknown lock of ours: {err}");
-                    e.lock().acquiring = false;
                     retry();
                 }
             }
