@@ -288,6 +288,10 @@ pub(crate) struct MissCounters {
     pub cache_locks_downgraded: AtomicU64,
     /// Shared locks upgraded by a WRITE while this node was giving them up.
     pub cache_locks_upgraded_in_release: AtomicU64,
+    /// Listings' lock grants taken ahead on the share thread, and READDIRPLUS calls
+    /// that waited for one.
+    pub listing_grants_ahead: AtomicU64,
+    pub listing_grant_waits: AtomicU64,
     /// Keys of ours deleted that this node did not know it held (late grants).
     pub cache_locks_strays: AtomicU64,
 }
@@ -930,6 +934,8 @@ impl Caches {
                 "cache_locks_upgraded_in_release".into(),
                 l(&n.cache_locks_upgraded_in_release),
             ),
+            ("listing_grants_ahead".into(), l(&n.listing_grants_ahead)),
+            ("listing_grant_waits".into(), l(&n.listing_grant_waits)),
         ]
     }
 }

@@ -62,6 +62,9 @@ impl Inner {
                 },
             ),
         };
+        if plus {
+            ahead.plus_calls = ahead.plus_calls.saturating_add(1);
+        }
         let mut remembered = Vec::new();
         loop {
             if ahead.entries.is_empty() {
@@ -95,10 +98,10 @@ impl Inner {
                 break;
             }
             if plus {
-                self.share_ahead(&mut ahead, fit);
+                self.share_ahead(ino, &mut ahead, fit)?;
             }
             let batch: Vec<DirEntry> = ahead.entries.drain(..fit).collect();
-            ahead.shared = ahead.shared.saturating_sub(fit);
+            ahead.drained(fit);
             ahead.bytes -= batch.iter().map(|e| e.name.len()).sum::<usize>();
             let out = if plus {
                 self.entries_plus(&batch)?
@@ -229,24 +232,74 @@ impl Inner {
         }
     }
 
-    /// Takes the shared locks of the regular files among the next entries (those of the
-    /// reply being built, and [`DIR_SHARE_AHEAD`] beyond), unless done already: etcd
-    /// grants them in transactions that each wait for its disk, so many at once cost about
-    /// what one does, and the READDIRPLUS calls that follow find them held.
-    fn share_ahead(&self, ahead: &mut Lookahead, fit: usize) {
-        if ahead.shared >= fit {
-            return;
+    /// Takes the shared locks of the regular files among the next `fit` entries, those of
+    /// the reply being built, unless done already, and from the listing's second
+    /// READDIRPLUS on (the first may be `ls -f`'s only one) those of the
+    /// [`DIR_GRANTED_AHEAD`] entries after them, in the background in chunks growing from
+    /// [`DIR_SHARE_CHUNK`]: etcd grants them in transactions that each wait for its disk,
+    /// so many at once cost about what one does, and meanwhile the kernel and the caller
+    /// work through the entries before them. Reaching entries whose grant is under way
+    /// waits for it.
+    fn share_ahead(&self, ino: u64, ahead: &mut Lookahead, fit: usize) -> Result<(), Errno> {
+        while let Some((from, job)) = ahead.pending.front() {
+            if *from >= fit {
+                break;
+            }
+            job.finish(self);
+            ahead.pending.pop_front();
         }
-        let end = ahead.entries.len().min(fit.max(DIR_SHARE_AHEAD));
-        let unheld: Vec<u64> = ahead
+        if ahead.shared < fit {
+            let end = ahead.entries.len().min(fit.max(DIR_SHARE_FIRST));
+            self.share_listed(&self.unheld(ahead, ahead.shared..end));
+            ahead.shared = end;
+        }
+        if ahead.plus_calls < 2 {
+            return Ok(());
+        }
+        // One page of names at most per call: each read waits for etcd, which is granting.
+        let mut read = false;
+        while ahead.shared < fit + DIR_GRANTED_AHEAD {
+            // The names first: the grant needs their inodes.
+            if ahead.more && !read && ahead.entries.len() < ahead.shared + DIR_SHARE_CHUNK_MAX {
+                read = true;
+                let page = self
+                    .meta
+                    .list_dir(Ino(ino), ahead.last.clone(), ahead.page)
+                    .and_then(|t| t.wait())
+                    .map_err(|e| errno::meta(&e))?;
+                ahead.refill(page);
+                continue;
+            }
+            let chunk = DIR_SHARE_CHUNK_MAX.min(DIR_SHARE_CHUNK << ahead.chunks.min(8));
+            let end = ahead.entries.len().min(ahead.shared + chunk);
+            // A chunk cut short by names not read yet waits for them (a small grant of
+            // inodes far apart reads each one alone).
+            if end == ahead.shared || (ahead.more && end < ahead.shared + chunk) {
+                break;
+            }
+            let unheld = self.unheld(ahead, ahead.shared..end);
+            if !unheld.is_empty() {
+                let Some(job) = self.share_listed_later(unheld) else {
+                    // The share thread is busy: granted when reached.
+                    break;
+                };
+                ahead.pending.push_back((ahead.shared, job));
+                ahead.chunks += 1;
+            }
+            ahead.shared = end;
+        }
+        Ok(())
+    }
+
+    /// The regular files among `ahead`'s entries `range` whose locks this node lacks.
+    fn unheld(&self, ahead: &Lookahead, range: std::ops::Range<usize>) -> Vec<u64> {
+        ahead
             .entries
-            .range(ahead.shared..end)
+            .range(range)
             .filter(|e| e.entry.kind == FileType::Regular)
             .map(|e| e.entry.ino.0)
             .filter(|&ino| self.locks.held(ino).is_none())
-            .collect();
-        self.share_listed(&unheld);
-        ahead.shared = end;
+            .collect()
     }
 
     /// The handle's lookahead if the kernel resumes where it left off (`offset` is the
@@ -340,8 +393,16 @@ pub(super) struct Lookahead {
     page: usize,
     /// Bytes of the names in `entries`.
     bytes: usize,
-    /// Entries at the front of `entries` whose locks READDIRPLUS has taken (or tried).
+    /// Entries at the front of `entries` whose locks READDIRPLUS has taken (or tried, or
+    /// is taking in the background).
     shared: usize,
+    /// The background grants under way, each of the entries from its index to the next
+    /// one's (the last one's to `shared`), in order.
+    pending: VecDeque<(usize, Arc<super::locks::ShareAhead>)>,
+    /// READDIRPLUS calls served from this lookahead.
+    plus_calls: u32,
+    /// Background grants started.
+    chunks: u32,
 }
 
 impl Lookahead {
@@ -354,6 +415,17 @@ impl Lookahead {
             page: DIR_PAGE_ENTRIES,
             bytes: 0,
             shared: 0,
+            pending: VecDeque::new(),
+            plus_calls: 0,
+            chunks: 0,
+        }
+    }
+
+    /// The first `n` entries were served.
+    fn drained(&mut self, n: usize) {
+        self.shared = self.shared.saturating_sub(n);
+        for (from, _) in &mut self.pending {
+            *from = from.saturating_sub(n);
         }
     }
 

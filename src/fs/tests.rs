@@ -621,6 +621,91 @@ fn readdirplus_takes_the_listed_files_locks_in_bulk() {
     assert_eq!(seen, 100);
 }
 
+/// From its second READDIRPLUS on, a listing takes the locks of the files ahead of it on
+/// the share thread, while the caller works through the entries before them: locks of
+/// files not yet listed are granted without another request. Each record comes with
+/// cacheable attributes; a file whose grant is queued or under way is still served to
+/// anyone who asks first.
+#[test]
+fn readdirplus_takes_the_locks_ahead_of_the_listing_in_the_background() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    let n = 1500;
+    let mut inos = Vec::new();
+    for i in 0..n {
+        let (ino, fh) = a.create(ROOT, format!("f{i:05}").as_bytes());
+        a.release(ino, fh);
+        inos.push(ino);
+    }
+    let Fx { fs, .. } = a;
+    fs.destroy();
+    drop(fs);
+    let o: OpenOut = parse(&b.ok(ROOT, Operation::Opendir { flags: 0 }));
+    let (mut offset, mut served, mut cacheable) = (0, 0, 0);
+    let mut read = |b: &mut Fx, offset: &mut u64| {
+        let reply = b.ok(
+            ROOT,
+            Operation::Readdirplus {
+                fh: o.fh,
+                offset: *offset,
+                size: 4096,
+            },
+        );
+        let records = plus_records(&reply);
+        let mut got = 0;
+        for (name, e) in &records {
+            if name.starts_with(b"f") {
+                got += 1;
+                cacheable += usize::from(e.attr_valid > 0 || e.attr_valid_nsec > 0);
+            }
+        }
+        // The cookie of the last record, where the next call resumes.
+        if let Some(last) = records.len().checked_sub(1) {
+            let mut at = 0;
+            for _ in 0..last {
+                let d: Dirent = parse(&reply[at + size_of::<EntryOut>()..]);
+                at += size_of::<EntryOut>() + (24 + d.namelen as usize).next_multiple_of(8);
+            }
+            let d: Dirent = parse(&reply[at + size_of::<EntryOut>()..]);
+            *offset = d.off;
+        }
+        got
+    };
+    for _ in 0..3 {
+        served += read(&mut b, &mut offset);
+    }
+    assert!(served < 100, "{served} entries in three calls of 4 KiB");
+    // Nothing more asked: the locks of every file ahead are taken meanwhile.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while keys_of(&b, b"t/K", b"t/L") < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} locks held with {served} entries served",
+            keys_of(&b, b"t/K", b"t/L")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(counter(&b, "listing_grants_ahead") > 0);
+    // A file ahead of the listing is served to whoever asks first.
+    let far = inos[n - 1];
+    let attr: AttrOut = parse(&b.ok(far, Operation::Getattr { fh: None }));
+    assert_eq!(attr.attr.ino, far);
+    loop {
+        let got = read(&mut b, &mut offset);
+        if got == 0 {
+            break;
+        }
+        served += got;
+    }
+    b.ok(ROOT, Operation::Releasedir { fh: o.fh });
+    assert_eq!(served, n);
+    assert_eq!(
+        cacheable, n,
+        "every record's attributes may stay in the kernel"
+    );
+    assert_eq!(keys_of(&b, b"t/K", b"t/L"), n, "B holds every listed file");
+}
+
 /// The READDIRPLUS records of one reply: name and entry.
 fn plus_records(reply: &[u8]) -> Vec<(Vec<u8>, EntryOut)> {
     let mut out = Vec::new();

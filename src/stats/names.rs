@@ -564,6 +564,19 @@ pub(crate) const DESCS: &[Desc] = &[
         "Shared cluster cache locks upgraded to exclusive by a write that arrived while this \
          node was giving them up (the release's page invalidation waited for its pages).",
     ),
+    counter(
+        "listing_grants_ahead",
+        "etcfs_listing_grants_ahead",
+        &[],
+        "Grants of a listing's next files' shared locks run in the background, while the \
+         kernel consumed the entries before them.",
+    ),
+    counter(
+        "listing_grant_waits",
+        "etcfs_listing_grant_waits",
+        &[],
+        "READDIRPLUS calls that waited for a background grant of their entries' locks.",
+    ),
     gauge(
         "cache_locks_known",
         "etcfs_cache_locks",
