@@ -9,6 +9,7 @@
 # dropped and (etcfs) the daemon restarted at the same mountpoint, so its own caches are
 # empty too; "warm": the same command again at once. Also printed: the FUSE requests one
 # warm `ls -l` sends to the daemon, by operation (from `etcfs stats --json`).
+# LISTING_STATS=1: after each timed etcfs run, its requests and nonzero counters (stderr).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benches/lib.sh
@@ -81,6 +82,19 @@ list() {
 	esac
 }
 drop() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+# run_stats LABEL: with LISTING_STATS set, the requests and nonzero counters of the run
+# just timed (to stderr).
+run_stats() {
+	"$etcfs" stats --json "$mnt" | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+ops = s.get("ops") or s.get("operations") or []
+if isinstance(ops, dict):
+    ops = [dict(o, op=k) if isinstance(o, dict) else {"op": k, "count": o} for k, o in ops.items()]
+print("  " + sys.argv[1] + ": " + " ".join("%s=%s" % (o.get("op") or o.get("name"), o["count"]) for o in ops if o.get("count")))
+print("    " + " ".join("%s=%s" % kv for kv in s.get("counters", {}).items() if kv[1]))
+' "$1" >&2
+}
 cold_etcfs() { unmount_node; mount_node; drop; }
 cold_ext4() { umount "$ext"; mount "$loopdev" "$ext"; drop; }
 
@@ -100,7 +114,9 @@ for n in $sizes; do
 			for _ in $(seq "$rounds"); do
 				cold_etcfs
 				[ "$cache" = cold ] || list "$cmd" "$mnt/d$n" >/dev/null
+				[ -z "${LISTING_STATS:-}" ] || "$etcfs" stats --reset "$mnt" >/dev/null
 				e="$e $(seconds list "$cmd" "$mnt/d$n")"
+				[ -z "${LISTING_STATS:-}" ] || run_stats "$n $cmd $cache"
 				cold_ext4
 				[ "$cache" = cold ] || list "$cmd" "$ext/d$n" >/dev/null
 				x="$x $(seconds list "$cmd" "$ext/d$n")"
