@@ -200,11 +200,14 @@ impl Drop for Hold {
 /// grants taken only when the listing reached them (strace of its getdents calls, then
 /// benches/listing.sh).
 pub(crate) struct ShareAhead {
-    /// The files, until someone starts granting them.
-    files: Mutex<Option<Vec<u64>>>,
+    /// The grant, until someone starts it.
+    work: Mutex<Option<ShareWork>>,
     granted: Mutex<bool>,
     cv: Condvar,
 }
+
+/// What a [`ShareAhead`] runs.
+type ShareWork = Box<dyn FnOnce(&Inner) + Send>;
 
 /// Marks a [`ShareAhead`] done even if its grant panics: a listing waits for it.
 struct Granted<'a>(&'a ShareAhead);
@@ -221,16 +224,16 @@ impl Drop for Granted<'_> {
 }
 
 impl ShareAhead {
-    /// Grants the files unless someone else has started to; true if it did.
+    /// Runs the grant unless someone else has started it; true if it did.
     fn run(&self, inner: &Inner) -> bool {
-        let files = self
-            .files
+        let work = self
+            .work
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        let Some(files) = files else { return false };
+        let Some(work) = work else { return false };
         let _done = Granted(self);
-        inner.share_listed(&files);
+        work(inner);
         true
     }
 
@@ -1014,8 +1017,14 @@ impl Inner {
     /// [`Inner::share_listed`] of `inos` on the share thread; `None` when its queue is
     /// full (the caller grants them itself when it needs them).
     pub(super) fn share_listed_later(&self, inos: Vec<u64>) -> Option<Arc<ShareAhead>> {
+        self.share_later(Box::new(move |i: &Inner| i.share_listed(&inos)))
+    }
+
+    /// `work` (taking locks ahead of a walk) on the share thread; `None` when its queue
+    /// is full.
+    pub(super) fn share_later(&self, work: ShareWork) -> Option<Arc<ShareAhead>> {
         let job = Arc::new(ShareAhead {
-            files: Mutex::new(Some(inos)),
+            work: Mutex::new(Some(work)),
             granted: Mutex::new(false),
             cv: Condvar::new(),
         });

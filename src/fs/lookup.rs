@@ -286,22 +286,40 @@ impl Inner {
                 s.covered.as_ref().map(|(_, through)| through.clone())
             }
         };
-        let Ok(page) = self
+        // This page now, the next ones on the share thread while the walk goes on: each
+        // page waited for here was a stall of the walk (`find -ls` of 100,000).
+        let Some((last, more)) = self.share_page(parent, after) else {
+            return;
+        };
+        if more {
+            let _ = self.share_later(Box::new(move |i: &Inner| {
+                let mut after = last;
+                for _ in 0..LOOKUP_PAGES_AHEAD {
+                    match i.share_page(parent, Some(after)) {
+                        Some((last, true)) => after = last,
+                        _ => break,
+                    }
+                }
+            }));
+        }
+    }
+
+    /// Reads the page of `parent`'s names after `after`, caches them, takes their
+    /// files' shared locks and extends the streak's covered names through the page's
+    /// last. Its last name and whether more follow (`None`: nothing read).
+    fn share_page(&self, parent: u64, after: Option<Vec<u8>>) -> Option<(Vec<u8>, bool)> {
+        let page = self
             .meta
             .list_dir(Ino(parent), after.clone(), DIR_SHARE_AHEAD)
             .and_then(|t| t.wait())
-        else {
-            return;
-        };
-        if let (Some(s), Some(last)) = (
-            lock(&self.lookup_streaks).get_mut(&parent),
-            page.entries.last(),
-        ) {
+            .ok()?;
+        let last = page.entries.last()?.name.clone();
+        if let Some(s) = lock(&self.lookup_streaks).get_mut(&parent) {
             let from = match s.covered.take() {
                 Some((from, _)) => from,
                 None => after,
             };
-            s.covered = Some((from, last.name.clone()));
+            s.covered = Some((from, last.clone()));
         }
         let mut regular = Vec::new();
         for e in &page.entries {
@@ -312,6 +330,7 @@ impl Inner {
             }
         }
         self.share_listed(&regular);
+        Some((last, page.more))
     }
 
     pub(super) fn getattr(&self, ino: u64) -> Result<Done, Errno> {

@@ -149,6 +149,9 @@ const DIR_PAGE_ENTRIES_MAX: usize = 16384;
 /// LOOKUP misses in ascending name order in one directory after which the names that
 /// follow are read and their files' shared locks taken at once.
 const LOOKUP_STREAK: u32 = 4;
+/// Pages of [`DIR_SHARE_AHEAD`] names past the one a LOOKUP streak waits for whose files'
+/// locks are taken on the share thread while the walk goes on.
+const LOOKUP_PAGES_AHEAD: usize = 2;
 /// Directories whose LOOKUP streaks are tracked.
 const LOOKUP_STREAKS_MAX: usize = 256;
 /// Entries after a streak of LOOKUPs whose files' shared locks are taken at once.

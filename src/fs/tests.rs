@@ -789,6 +789,36 @@ fn readdirplus_leaves_out_what_the_kernel_was_just_given() {
     assert_eq!(whole.len(), 3, "{whole:?}");
 }
 
+/// A walk's LOOKUP streak takes the locks of the page of names it reached at once, and
+/// those of the pages after it on the share thread while the walk goes on: every file
+/// of a directory of three pages is held after a handful of lookups.
+#[test]
+fn a_lookup_streak_takes_the_next_pages_locks_in_the_background() {
+    let mut a = Fx::new();
+    let mut b = second_mount(&a);
+    let n = 2 * super::DIR_SHARE_AHEAD + 500;
+    for i in 0..n {
+        let (ino, fh) = a.create(ROOT, format!("f{i:05}").as_bytes());
+        a.release(ino, fh);
+    }
+    let Fx { fs, .. } = a;
+    fs.destroy();
+    drop(fs);
+    for i in 0..8 {
+        b.lookup(ROOT, format!("f{i:05}").as_bytes());
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while keys_of(&b, b"t/K", b"t/L") < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {n} files held after 8 lookups",
+            keys_of(&b, b"t/K", b"t/L")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(counter(&b, "listing_grants_ahead") > 0);
+}
+
 /// `find` reads a directory whole, then looks its files up in name order: after a few
 /// such misses the files that follow are looked up and locked in bulk, and their
 /// lookups reach neither etcd nor a waiter; a lookup out of order does not count.
