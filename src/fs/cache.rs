@@ -288,6 +288,8 @@ pub(crate) struct MissCounters {
     pub cache_locks_downgraded: AtomicU64,
     /// Shared locks upgraded by a WRITE while this node was giving them up.
     pub cache_locks_upgraded_in_release: AtomicU64,
+    /// WRITEs answered EINTR: two nodes each upgrading in a release waited for the other.
+    pub cache_lock_writes_interrupted: AtomicU64,
     /// Listings' lock grants taken ahead on the share thread, and READDIRPLUS calls
     /// that waited for one.
     pub listing_grants_ahead: AtomicU64,
@@ -933,6 +935,10 @@ impl Caches {
             (
                 "cache_locks_upgraded_in_release".into(),
                 l(&n.cache_locks_upgraded_in_release),
+            ),
+            (
+                "cache_lock_writes_interrupted".into(),
+                l(&n.cache_lock_writes_interrupted),
             ),
             ("listing_grants_ahead".into(), l(&n.listing_grants_ahead)),
             ("listing_grant_waits".into(), l(&n.listing_grant_waits)),

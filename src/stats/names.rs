@@ -565,6 +565,13 @@ pub(crate) const DESCS: &[Desc] = &[
          node was giving them up (the release's page invalidation waited for its pages).",
     ),
     counter(
+        "cache_lock_writes_interrupted",
+        "etcfs_cache_lock_writes_interrupted",
+        &[],
+        "Writes answered EINTR (nothing written) because this node and another each gave up \
+         a shared lock with a write of their own waiting on the other.",
+    ),
+    counter(
         "listing_grants_ahead",
         "etcfs_listing_grants_ahead",
         &[],
