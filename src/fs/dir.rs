@@ -71,12 +71,7 @@ impl Inner {
                 if !ahead.more {
                     break;
                 }
-                let page = self
-                    .meta
-                    .list_dir(Ino(ino), ahead.last.clone(), ahead.page)
-                    .and_then(|t| t.wait())
-                    .map_err(|e| errno::meta(&e))?;
-                ahead.refill(page);
+                self.read_ahead(ino, &mut ahead)?;
                 continue;
             }
             // Only the entries that fit get their attributes read.
@@ -262,12 +257,7 @@ impl Inner {
             // The names first: the grant needs their inodes.
             if ahead.more && !read && ahead.entries.len() < ahead.shared + DIR_SHARE_CHUNK_MAX {
                 read = true;
-                let page = self
-                    .meta
-                    .list_dir(Ino(ino), ahead.last.clone(), ahead.page)
-                    .and_then(|t| t.wait())
-                    .map_err(|e| errno::meta(&e))?;
-                ahead.refill(page);
+                self.read_ahead(ino, ahead)?;
                 continue;
             }
             let chunk = DIR_SHARE_CHUNK_MAX.min(DIR_SHARE_CHUNK << ahead.chunks.min(8));
@@ -288,6 +278,17 @@ impl Inner {
             }
             ahead.shared = end;
         }
+        Ok(())
+    }
+
+    /// Reads the page of directory `ino`'s names after `ahead`'s last into it.
+    fn read_ahead(&self, ino: u64, ahead: &mut Lookahead) -> Result<(), Errno> {
+        let page = self
+            .meta
+            .list_dir(Ino(ino), ahead.last.clone(), ahead.page)
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        ahead.refill(page);
         Ok(())
     }
 

@@ -18,7 +18,7 @@ use meta::{
     lossy::{Losses, Lossy},
 };
 
-use super::tests::{keys_of, pattern, second_mount_on, Fx, Requests, ROOT};
+use super::tests::{eventually, keys_of, pattern, second_mount_on, Fx, Requests, ROOT};
 
 /// Whether `txn` writes a key of a cache lock, an fcntl or flock lock or a group owner.
 fn lock_or_group(keys: &Keyspace, txn: &Txn) -> bool {
@@ -124,11 +124,12 @@ fn fcntl_and_flock_locks_survive_lost_answers() {
     // Every lock key is gone: nothing was put twice under another start or left behind.
     assert_eq!(keys_of(&b, b"t/B", b"t/C"), 0);
     assert!(lossy.lost() >= 12, "{}", lossy.lost());
-    // Every lost answer was resent, by whichever node sent it.
-    assert_eq!(
-        counter(&a, "etcd_write_retries") + counter(&b, "etcd_write_retries"),
-        lossy.lost()
-    );
+    // Every lost answer was resent, by whichever node sent it: a give-way on a lock
+    // thread may still be resending when the last operation returns (8 retries counted
+    // for 9 losses, once in a loaded unit-test run).
+    let retries = || counter(&a, "etcd_write_retries") + counter(&b, "etcd_write_retries");
+    eventually("every lost answer resent", || retries() == lossy.lost());
+    assert_eq!(retries(), lossy.lost());
     a.release(ino, afh);
     b.release(ino, bfh);
 }
@@ -158,11 +159,12 @@ fn cache_locks_survive_lost_answers() {
         );
     }
     assert!(lossy.lost() >= 6, "{}", lossy.lost());
-    // Every lost answer was resent, by whichever node sent it.
-    assert_eq!(
-        counter(&a, "etcd_write_retries") + counter(&b, "etcd_write_retries"),
-        lossy.lost()
-    );
+    // Every lost answer was resent, by whichever node sent it: a give-way on a lock
+    // thread may still be resending when the last operation returns (8 retries counted
+    // for 9 losses, once in a loaded unit-test run).
+    let retries = || counter(&a, "etcd_write_retries") + counter(&b, "etcd_write_retries");
+    eventually("every lost answer resent", || retries() == lossy.lost());
+    assert_eq!(retries(), lossy.lost());
     b.release(ino, bfh);
 }
 
@@ -201,11 +203,12 @@ fn group_claims_survive_lost_answers() {
     a.write(x, fh, 0, &pattern(3, 64 * 1024));
     a.fsync(x, fh);
     a.release(x, fh);
-    // Every lost answer was resent, by whichever node sent it.
-    assert_eq!(
-        counter(&a, "etcd_write_retries") + counter(&b, "etcd_write_retries"),
-        lossy.lost()
-    );
+    // Every lost answer was resent, by whichever node sent it: a give-way on a lock
+    // thread may still be resending when the last operation returns (8 retries counted
+    // for 9 losses, once in a loaded unit-test run).
+    let retries = || counter(&a, "etcd_write_retries") + counter(&b, "etcd_write_retries");
+    eventually("every lost answer resent", || retries() == lossy.lost());
+    assert_eq!(retries(), lossy.lost());
     // Given back with the answer lost: the resend finds it no longer ours, which is what
     // was asked.
     let g = *owned.iter().next_back().expect("a group");

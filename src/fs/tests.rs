@@ -676,16 +676,7 @@ fn readdirplus_takes_the_locks_ahead_of_the_listing_in_the_background() {
     }
     assert!(served < 100, "{served} entries in three calls of 4 KiB");
     // Nothing more asked: the locks of every file ahead are taken meanwhile.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while keys_of(&b, b"t/K", b"t/L") < n {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} locks held with {served} entries served",
-            keys_of(&b, b"t/K", b"t/L")
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert!(counter(&b, "listing_grants_ahead") > 0);
+    granted_ahead(&b, n, &format!("{served} entries served"));
     // A file ahead of the listing is served to whoever asks first.
     let far = inos[n - 1];
     let attr: AttrOut = parse(&b.ok(far, Operation::Getattr { fh: None }));
@@ -807,16 +798,22 @@ fn a_lookup_streak_takes_the_next_pages_locks_in_the_background() {
     for i in 0..8 {
         b.lookup(ROOT, format!("f{i:05}").as_bytes());
     }
+    granted_ahead(&b, n, "after 8 lookups");
+}
+
+/// Waits (at most 20 s) until `fx` holds `n` locks, some of them taken on the share
+/// thread; `when` says what came before, for the failure message.
+fn granted_ahead(fx: &Fx, n: usize, when: &str) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while keys_of(&b, b"t/K", b"t/L") < n {
+    while keys_of(fx, b"t/K", b"t/L") < n {
         assert!(
             std::time::Instant::now() < deadline,
-            "{} of {n} files held after 8 lookups",
-            keys_of(&b, b"t/K", b"t/L")
+            "{} of {n} files held {when}",
+            keys_of(fx, b"t/K", b"t/L")
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(counter(&b, "listing_grants_ahead") > 0);
+    assert!(counter(fx, "listing_grants_ahead") > 0);
 }
 
 /// `find` reads a directory whole, then looks its files up in name order: after a few
@@ -1671,7 +1668,7 @@ fn counter(fx: &Fx, name: &str) -> u64 {
 }
 
 /// Polls `f` for up to 2 s (the watch runs on its own thread).
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+pub(super) fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let t0 = std::time::Instant::now();
     while t0.elapsed() < Duration::from_secs(2) {
         if f() {
