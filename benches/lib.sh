@@ -20,7 +20,9 @@ start_etcd() {
 
 # mount_etcfs ETCFS EP IMG PREFIX MNT LOG [OPTION...]: one node, `etcfs mount --foreground`
 # in the background (its pid appended to the caller's `pids` array, for its cleanup),
-# returning once MNT is mounted, or failing after 20 s with the log's path.
+# returning once MNT is mounted and the daemon answers `etcfs stats` (its control socket
+# and ring queues come up just after the kernel mount: a run timed or a `stats --reset`
+# sent before then raced them), or failing after 20 s with the log's path.
 mount_etcfs() {
 	local etcfs=$1 ep=$2 img=$3 prefix=$4 mnt=$5 log=$6
 	shift 6
@@ -28,8 +30,11 @@ mount_etcfs() {
 	"$etcfs" mount --foreground --etcd "$ep" --device "$img" --prefix "$prefix" "$@" "$mnt" \
 		>"$log" 2>&1 &
 	pids+=($!)
-	for _ in $(seq 200); do mountpoint -q "$mnt" && return 0; sleep 0.1; done
-	echo "etcfs did not mount $mnt within 20 s; see $log" >&2
+	for _ in $(seq 200); do
+		mountpoint -q "$mnt" && "$etcfs" stats "$mnt" >/dev/null 2>&1 && return 0
+		sleep 0.1
+	done
+	echo "etcfs did not mount $mnt (or does not answer etcfs stats) within 20 s; see $log" >&2
 	return 1
 }
 

@@ -144,6 +144,7 @@ pub(crate) fn mount(args: MountArgs, inv: Invocation) -> Result<()> {
         lease_ttl_s: args.lease_ttl,
         noatime: args.noatime,
         read_only: args.read_only,
+        selinux_xattr: args.selinux_xattr,
     })?);
     let result = serve(&args, &cpus, handler, notifier.as_ref(), metrics);
     drop(private_etcd);

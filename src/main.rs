@@ -190,6 +190,12 @@ pub(crate) struct MountArgs {
     /// Never update access times (default: relatime, as Linux mounts do).
     #[arg(long)]
     pub(crate) noatime: bool,
+    /// Store `security.selinux` like any other extended attribute. By default it is
+    /// refused (EOPNOTSUPP), as SELinux itself refuses it on a FUSE mount, which it
+    /// labels by policy and never by attribute; `ls -l` and other tools then ask once
+    /// per mount instead of once per file.
+    #[arg(long)]
+    pub(crate) selinux_xattr: bool,
     /// Mount read-only: the kernel mount is read-only (writes answer EROFS) and the
     /// daemon writes nothing to etcd or the device of its own either (no allocation
     /// groups, no reclaims, no access times); it keeps its session, locks and open records.

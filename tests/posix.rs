@@ -1932,6 +1932,69 @@ fn statfs_space_comes_back() {
     assert_space_back(&m.mnt, avail0 - SPACE_SLACK, "after the last unlink");
 }
 
+/// `security.selinux` is refused (EOPNOTSUPP) unless the mount has `--selinux-xattr`, so
+/// `ls -l` asks for it once per filesystem: a warm `ls -l` of many files sends the daemon
+/// about one GETXATTR, not one per file. With the flag the label is stored.
+#[test]
+fn the_selinux_label_is_refused_and_ls_asks_once() {
+    setup!(fs, m, "the_selinux_label_is_refused_and_ls_asks_once");
+    let d = m.path("d");
+    fs::create_dir(&d).expect("mkdir");
+    for i in 0..200 {
+        fs::write(d.join(format!("f{i:03}")), b"").expect("create");
+    }
+    let f = s(&d.join("f000"));
+    for (what, r) in [
+        ("get", helper(&["getxattr", &f, "security.selinux", "100"])),
+        (
+            "set",
+            helper(&["setxattr", &f, "security.selinux", "l", "0"]),
+        ),
+        ("remove", helper(&["removexattr", &f, "security.selinux"])),
+    ] {
+        assert_eq!(expect_errno(r, what), libc::EOPNOTSUPP, "{what}");
+    }
+    ok(
+        helper(&["setxattr", &f, "security.ima", "h", "0"]),
+        "other security names are stored",
+    );
+    let ls = || {
+        let out = Command::new("ls")
+            .arg("-l")
+            .arg(&d)
+            .output()
+            .expect("run ls");
+        assert!(out.status.success(), "ls -l: {out:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 201);
+    };
+    ls();
+    let before = common::op_count(&m.stats_json(), "GETXATTR");
+    ls();
+    let sent = common::op_count(&m.stats_json(), "GETXATTR") - before;
+    assert!(
+        sent <= 2,
+        "a warm ls -l of 200 files sent {sent} GETXATTRs (one per file: the label asked again)"
+    );
+    drop(m);
+
+    let m = fs.mount("auto", &["--selinux-xattr"]);
+    let f = s(&m.path("d/f000"));
+    ok(
+        helper(&[
+            "setxattr",
+            &f,
+            "security.selinux",
+            "system_u:object_r:etc_t:s0",
+            "0",
+        ]),
+        "set the label with --selinux-xattr",
+    );
+    assert_eq!(
+        helper(&["getxattr", &f, "security.selinux", "100"]),
+        Ok("26 system_u:object_r:etc_t:s0".into())
+    );
+}
+
 #[test]
 fn xattrs() {
     setup!(fs, m, "xattrs");

@@ -347,6 +347,9 @@ impl EtcFs {
                     i.setxattr(&h, &name, &value, flags)
                 })
             }
+            Operation::Getxattr { name, .. } if self.inner.xattr_refused(name) => {
+                Reply::Error(Errno::EOPNOTSUPP)
+            }
             Operation::Getxattr { name, .. } if self.inner.xattr_absent(ino, name) => {
                 Reply::Error(Errno::ENODATA)
             }

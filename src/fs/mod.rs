@@ -260,6 +260,8 @@ pub(crate) struct FsConfig {
     pub noatime: bool,
     /// A read-only mount (`--read-only`): see [`Inner::read_only`].
     pub read_only: bool,
+    /// Store `security.selinux` (`--selinux-xattr`): see [`Inner::selinux_xattr`].
+    pub selinux_xattr: bool,
 }
 
 /// Kernel cache timeouts and the daemon's cache sizing.
@@ -274,6 +276,7 @@ pub(crate) struct CacheOpts {
     pub lease_ttl_s: i64,
     pub noatime: bool,
     pub read_only: bool,
+    pub selinux_xattr: bool,
 }
 
 impl CacheOpts {
@@ -290,6 +293,7 @@ impl CacheOpts {
             lease_ttl_s: 10,
             noatime: false,
             read_only: false,
+            selinux_xattr: false,
         }
     }
 }
@@ -589,6 +593,13 @@ pub(crate) struct Inner {
     /// dead local sessions, no atime. It still has a session, cluster cache locks, fcntl
     /// locks and open records: what reading coherently next to writers needs.
     read_only: bool,
+    /// `security.selinux` is stored like any attribute (`--selinux-xattr`). Otherwise it
+    /// is refused with EOPNOTSUPP, and left out of listings: SELinux labels a FUSE mount
+    /// by policy (genfs), answers a get of the label itself and refuses a set, so a
+    /// stored label could only matter on a host without SELinux, where nothing reads it.
+    /// The refusal is what `ls -l` remembers per filesystem (ENODATA it asks again for
+    /// every file, a FUSE round trip each that the kernel does not cache).
+    selinux_xattr: bool,
 }
 
 /// Where READs and WRITEs were served, for `etcfs stats`: on the core (no etcd, no waiter)
@@ -693,6 +704,7 @@ impl EtcFs {
             lease_ttl_s: cfg.lease_ttl_s,
             noatime: cfg.noatime,
             read_only: cfg.read_only,
+            selinux_xattr: cfg.selinux_xattr,
         };
         Self::open_checked(
             pipeline,
@@ -768,6 +780,7 @@ impl EtcFs {
             counting: Mutex::new(()),
             noatime: opts.noatime || opts.read_only,
             read_only: opts.read_only,
+            selinux_xattr: opts.selinux_xattr,
         });
         if opts.read_only {
             log::info!("read-only: no group claims, no reclaims, no atime writes");

@@ -512,7 +512,7 @@ fn absent_xattrs_of_a_new_file_are_answered_without_etcd() {
     fx.getattr(f);
     let get = |name: &'static [u8]| Operation::Getxattr { name, size: 0 };
     for name in [
-        &b"security.selinux"[..],
+        &b"security.ima"[..],
         b"security.capability",
         b"system.posix_acl_access",
         b"user.x",
@@ -538,20 +538,106 @@ fn absent_xattrs_of_a_new_file_are_answered_without_etcd() {
     fx.ok(
         f,
         Operation::Setxattr {
-            name: b"security.selinux",
+            name: b"security.ima",
             value: b"l",
             flags: 0,
         },
     );
-    assert!(!fx.fs.inner().xattr_absent(f, b"security.selinux"));
+    assert!(!fx.fs.inner().xattr_absent(f, b"security.ima"));
     assert!(!fx.fs.inner().xattrs_none(f));
-    let sz: GetxattrOut = parse(&fx.ok(f, get(b"security.selinux")));
+    let sz: GetxattrOut = parse(&fx.ok(f, get(b"security.ima")));
     assert_eq!(sz.size, 1);
     assert_eq!(
         fx.ok(f, Operation::Listxattr { size: 100 }),
-        b"security.selinux\0"
+        b"security.ima\0"
     );
     assert_eq!(fx.err(f, get(b"user.x")), Errno::ENODATA);
+}
+
+/// `security.selinux` is refused unless the mount stores it: `ls -l` then asks once per
+/// filesystem, not once per file. A label stored by a mount that keeps them is neither
+/// answered nor listed by one that does not.
+#[test]
+fn the_selinux_label_is_refused_unless_the_mount_stores_it() {
+    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
+    let dev = MemDev::new(DEV_BYTES);
+    format(&kv, &dev, false).unwrap();
+    let fx_of = |fs| Fx {
+        fs,
+        kv: kv.clone(),
+        dev: dev.clone(),
+        out: vec![0; 2 << 20],
+        unique: 1,
+    };
+    let label = b"security.selinux";
+    let set = |value: &'static [u8]| Operation::Setxattr {
+        name: label,
+        value,
+        flags: 0,
+    };
+    let get = Operation::Getxattr {
+        name: label,
+        size: 100,
+    };
+    let keeps = CacheOpts {
+        selinux_xattr: true,
+        ..CacheOpts::uniform(Duration::from_secs(1))
+    };
+    let mut fx = fx_of(mount_with(&kv, &dev, &keeps));
+    let (f, fh) = fx.create(ROOT, b"f");
+    fx.release(f, fh);
+    fx.ok(f, set(b"system_u:object_r:etc_t:s0"));
+    assert_eq!(fx.ok(f, get), b"system_u:object_r:etc_t:s0");
+    fx.ok(
+        f,
+        Operation::Setxattr {
+            name: b"user.kept",
+            value: b"1",
+            flags: 0,
+        },
+    );
+    fx.fs.destroy();
+
+    let mut fx = fx_of(mount_with(
+        &kv,
+        &dev,
+        &CacheOpts::uniform(Duration::from_secs(1)),
+    ));
+    let records = fs_records(&fx.kv);
+    fx.lookup(ROOT, b"f");
+    assert_eq!(fx.err(f, get), Errno::EOPNOTSUPP);
+    assert_eq!(fx.err(f, set(b"x")), Errno::EOPNOTSUPP);
+    assert_eq!(
+        fx.err(f, Operation::Removexattr { name: label }),
+        Errno::EOPNOTSUPP
+    );
+    assert_eq!(fx.ok(f, Operation::Listxattr { size: 100 }), b"user.kept\0");
+    // The stored label is untouched: the first mount's view comes back with the flag.
+    assert_eq!(fs_records(&fx.kv), records);
+    // Other security names are attributes like any.
+    fx.ok(
+        f,
+        Operation::Setxattr {
+            name: b"security.ima",
+            value: b"h",
+            flags: 0,
+        },
+    );
+    assert_eq!(
+        fx.ok(
+            f,
+            Operation::Getxattr {
+                name: b"security.ima",
+                size: 100
+            }
+        ),
+        b"h"
+    );
+    fx.fs.destroy();
+
+    let mut fx = fx_of(mount_with(&kv, &dev, &keeps));
+    fx.lookup(ROOT, b"f");
+    assert_eq!(fx.ok(f, get), b"system_u:object_r:etc_t:s0");
 }
 
 /// A node listing files nobody holds takes their shared locks with the listing, so its

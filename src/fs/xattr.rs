@@ -10,6 +10,10 @@
 use super::*;
 use meta::{acl, codec::FLAG_NO_XATTRS};
 
+/// The SELinux label's attribute, refused unless the mount stores it
+/// (`Inner::selinux_xattr`).
+pub(super) const SELINUX_NAME: &[u8] = b"security.selinux";
+
 /// Which ACL an xattr name is: `Some(true)` the default ACL, `Some(false)` the access ACL.
 pub(super) fn acl_name(name: &[u8]) -> Option<bool> {
     match name {
@@ -20,6 +24,12 @@ pub(super) fn acl_name(name: &[u8]) -> Option<bool> {
 }
 
 impl Inner {
+    /// A name this mount refuses with EOPNOTSUPP whatever the inode: checked before
+    /// anything else, on the core.
+    pub(super) fn xattr_refused(&self, name: &[u8]) -> bool {
+        name == SELINUX_NAME && !self.selinux_xattr
+    }
+
     /// The inode's cached attributes, if this node holds them without waiting.
     fn attr_at_hand(&self, ino: u64) -> Option<InodeAttr> {
         match self.files.try_open_attr(ino) {
@@ -93,6 +103,9 @@ impl Inner {
     ) -> Result<Done, Errno> {
         let ino = h.nodeid;
         fusedev::names::check_xattr_name(name)?;
+        if self.xattr_refused(name) {
+            return Err(Errno::EOPNOTSUPP);
+        }
         if value.len() > XATTR_VALUE_LEN_MAX {
             return Err(Errno::E2BIG);
         }
@@ -122,6 +135,9 @@ impl Inner {
 
     pub(super) fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Result<Done, Errno> {
         fusedev::names::check_xattr_name(name)?;
+        if self.xattr_refused(name) {
+            return Err(Errno::EOPNOTSUPP);
+        }
         let v = self
             .meta
             .get_xattr(Ino(ino), name.to_vec())
@@ -141,7 +157,9 @@ impl Inner {
             .map_err(|e| errno::meta(&e))?;
         let mut list = Vec::new();
         for n in names {
-            if !privileged && n.starts_with(b"trusted.") {
+            // A label stored by a mount with `--selinux-xattr` is not listed by one
+            // that refuses it: a copy would fail on it.
+            if (!privileged && n.starts_with(b"trusted.")) || self.xattr_refused(&n) {
                 continue;
             }
             list.extend_from_slice(&n);
@@ -153,6 +171,9 @@ impl Inner {
     pub(super) fn removexattr(&self, h: &abi::InHeader, name: &[u8]) -> Result<Done, Errno> {
         let ino = h.nodeid;
         fusedev::names::check_xattr_name(name)?;
+        if self.xattr_refused(name) {
+            return Err(Errno::EOPNOTSUPP);
+        }
         if let Some(default) = acl_name(name) {
             // ext4 answers 0 to removing an ACL that is not there (the ACL is the mode).
             if self.xattr_absent(ino, name) {
