@@ -2,7 +2,7 @@
 # Big directories (issue 17): `ls -f`, `ls -l` and `find -ls` of directories of N empty
 # files on etcfs and on ext4, side by side in one run, cold and warm; medians of --rounds.
 #
-#   benches/listing.sh [--sizes "5000 20000 100000"] [--rounds 3] [--etcfs PATH]
+#   benches/listing.sh [--sizes "5000 20000 100000"] [--rounds 3] [--etcfs PATH] [--no-compact]
 #
 # etcfs: a private one-member etcd and a 1 GiB device image, one node. ext4: a 2 GiB
 # image on the same disk (262,144 inodes), loop-mounted. "cold": the page, dentry and inode caches
@@ -10,17 +10,21 @@
 # empty too; "warm": the same command again at once. Also printed: the FUSE requests one
 # warm `ls -l` sends to the daemon, by operation (from `etcfs stats --json`).
 # LISTING_STATS=1: after each timed etcfs run, its requests and nonzero counters (stderr).
+# etcd's history is compacted before each cold etcfs run (lib.sh's compact_etcd: the
+# restarts would otherwise pile up tombstones no compacted etcd keeps); --no-compact
+# leaves it, to see what an uncompacted etcd costs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . benches/lib.sh
 
-sizes="5000 20000 100000" rounds=3 etcfs=target/release/etcfs
+sizes="5000 20000 100000" rounds=3 etcfs=target/release/etcfs compact=1
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--sizes) sizes="$2"; shift 2 ;;
 	--rounds) rounds="$2"; shift 2 ;;
 	--etcfs) etcfs="$2"; shift 2 ;;
-	*) echo "usage: $0 [--sizes \"N...\"] [--rounds R] [--etcfs PATH]" >&2; exit 2 ;;
+	--no-compact) compact=0; shift ;;
+	*) echo "usage: $0 [--sizes \"N...\"] [--rounds R] [--etcfs PATH] [--no-compact]" >&2; exit 2 ;;
 	esac
 done
 [ -x "$etcfs" ] || cargo build --release -p etcfs
@@ -95,7 +99,12 @@ print("  " + sys.argv[1] + ": " + " ".join("%s=%s" % (o.get("op") or o.get("name
 print("    " + " ".join("%s=%s" % kv for kv in s.get("counters", {}).items() if kv[1]))
 ' "$1" >&2
 }
-cold_etcfs() { unmount_node; mount_node; drop; }
+cold_etcfs() {
+	unmount_node
+	[ "$compact" = 0 ] || compact_etcd "$ep"
+	mount_node
+	drop
+}
 cold_ext4() { umount "$ext"; mount "$loopdev" "$ext"; drop; }
 
 for n in $sizes; do

@@ -6,6 +6,10 @@
 # transactions, bytes its Go runtime allocated). Medians of the runs are printed last.
 #
 #   benches/listing_cost.sh [--files N] [--rounds R] [--cmd "ls -l"] [--etcfs PATH] [--stats]
+#                           [--no-compact]
+#
+# etcd's history is compacted before each run (lib.sh's compact_etcd), as a periodic
+# compaction keeps it; --no-compact leaves the restarts' tombstones in.
 #
 # --stats: after each run, also the FUSE requests the daemon served and its nonzero
 # counters (`etcfs stats --json`).
@@ -17,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . benches/lib.sh
 
-files=20000 rounds=3 cmd="ls -l" etcfs=target/release/etcfs stats=0
+files=20000 rounds=3 cmd="ls -l" etcfs=target/release/etcfs stats=0 compact=1
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--files) files="$2"; shift 2 ;;
@@ -25,7 +29,8 @@ while [ $# -gt 0 ]; do
 	--cmd) cmd="$2"; shift 2 ;;
 	--etcfs) etcfs="$2"; shift 2 ;;
 	--stats) stats=1; shift ;;
-	-h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+	--no-compact) compact=0; shift ;;
+	-h | --help) sed -n '2,20p' "$0"; exit 0 ;;
 	*) echo "listing_cost.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
 	esac
 done
@@ -73,6 +78,7 @@ for r in $(seq "$rounds"); do
 	umount "$mnt"
 	wait "${pids[-1]}" 2>/dev/null || true
 	unset 'pids[-1]'
+	[ "$compact" = 0 ] || compact_etcd "$ep"
 	mount_node
 	sync
 	echo 3 >/proc/sys/vm/drop_caches
