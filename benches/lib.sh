@@ -3,15 +3,13 @@
 # start_etcd NAME DIR PORT: a private one-member etcd on loopback, client port PORT and
 # peer port PORT+1, data under DIR; sets ETCD_PID (for the caller's cleanup) and returns
 # once it answers, or after 10 s with a warning (the next etcfs command then says why).
-# ETCD_EXTRA_ARGS: more etcd flags, word-split (say `--enable-pprof` to profile etcd
-# under a benchmark: /debug/pprof/profile on its client port).
 start_etcd() {
 	local name=$1 dir=$2 port=$3
 	local ep=http://127.0.0.1:$port peer=http://127.0.0.1:$((port + 1))
 	etcd --name "$name" --data-dir "$dir/etcd" --listen-client-urls "$ep" \
 		--advertise-client-urls "$ep" --listen-peer-urls "$peer" \
 		--initial-advertise-peer-urls "$peer" --initial-cluster "$name=$peer" \
-		${ETCD_EXTRA_ARGS:-} >"$dir/etcd.log" 2>&1 &
+		>"$dir/etcd.log" 2>&1 &
 	ETCD_PID=$!
 	for _ in $(seq 100); do
 		etcdctl --endpoints "$ep" endpoint health >/dev/null 2>&1 && return 0

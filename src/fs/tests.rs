@@ -96,14 +96,29 @@ pub(super) fn mount_on(kv: Arc<dyn KvBackend>, dev: &MemDev, opts: &CacheOpts) -
 
 impl Fx {
     pub(super) fn new() -> Fx {
+        Fx::with_opts(&CacheOpts::uniform(Duration::from_secs(1)))
+    }
+
+    /// A filesystem formatted for the test, mounted with `opts`.
+    fn with_opts(opts: &CacheOpts) -> Fx {
         let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
         let dev = MemDev::new(DEV_BYTES);
         format(&kv, &dev, false).unwrap();
-        let fs = mount(&kv, &dev);
         Fx {
-            fs,
+            fs: mount_with(&kv, &dev, opts),
             kv,
             dev,
+            out: vec![0; 2 << 20],
+            unique: 1,
+        }
+    }
+
+    /// Another mount (its own session) of the filesystem this one serves, with `opts`.
+    fn another_mount(&self, opts: &CacheOpts) -> Fx {
+        Fx {
+            fs: mount_with(&self.kv, &self.dev, opts),
+            kv: self.kv.clone(),
+            dev: self.dev.clone(),
             out: vec![0; 2 << 20],
             unique: 1,
         }
@@ -559,16 +574,6 @@ fn absent_xattrs_of_a_new_file_are_answered_without_etcd() {
 /// answered nor listed by one that does not.
 #[test]
 fn the_selinux_label_is_refused_unless_the_mount_stores_it() {
-    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
-    let dev = MemDev::new(DEV_BYTES);
-    format(&kv, &dev, false).unwrap();
-    let fx_of = |fs| Fx {
-        fs,
-        kv: kv.clone(),
-        dev: dev.clone(),
-        out: vec![0; 2 << 20],
-        unique: 1,
-    };
     let label = b"security.selinux";
     let set = |value: &'static [u8]| Operation::Setxattr {
         name: label,
@@ -583,7 +588,7 @@ fn the_selinux_label_is_refused_unless_the_mount_stores_it() {
         selinux_xattr: true,
         ..CacheOpts::uniform(Duration::from_secs(1))
     };
-    let mut fx = fx_of(mount_with(&kv, &dev, &keeps));
+    let mut fx = Fx::with_opts(&keeps);
     let (f, fh) = fx.create(ROOT, b"f");
     fx.release(f, fh);
     fx.ok(f, set(b"system_u:object_r:etc_t:s0"));
@@ -598,11 +603,7 @@ fn the_selinux_label_is_refused_unless_the_mount_stores_it() {
     );
     fx.fs.destroy();
 
-    let mut fx = fx_of(mount_with(
-        &kv,
-        &dev,
-        &CacheOpts::uniform(Duration::from_secs(1)),
-    ));
+    let mut fx = fx.another_mount(&CacheOpts::uniform(Duration::from_secs(1)));
     let records = fs_records(&fx.kv);
     fx.lookup(ROOT, b"f");
     assert_eq!(fx.err(f, get), Errno::EOPNOTSUPP);
@@ -635,7 +636,7 @@ fn the_selinux_label_is_refused_unless_the_mount_stores_it() {
     );
     fx.fs.destroy();
 
-    let mut fx = fx_of(mount_with(&kv, &dev, &keeps));
+    let mut fx = fx.another_mount(&keeps);
     fx.lookup(ROOT, b"f");
     assert_eq!(fx.ok(f, get), b"system_u:object_r:etc_t:s0");
 }
@@ -803,16 +804,7 @@ fn plus_records(reply: &[u8]) -> Vec<(Vec<u8>, EntryOut)> {
 /// was given up and taken again since, are given whole again.
 #[test]
 fn readdirplus_leaves_out_what_the_kernel_was_just_given() {
-    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
-    let dev = MemDev::new(DEV_BYTES);
-    format(&kv, &dev, false).unwrap();
-    let mut fx = Fx {
-        fs: mount_with(&kv, &dev, &CacheOpts::uniform(Duration::from_secs(600))),
-        kv: kv.clone(),
-        dev: dev.clone(),
-        out: vec![0; 2 << 20],
-        unique: 1,
-    };
+    let mut fx = Fx::with_opts(&CacheOpts::uniform(Duration::from_secs(600)));
     let mut inos = std::collections::HashMap::new();
     for i in 0..20 {
         let name = format!("f{i:02}");
@@ -1735,13 +1727,7 @@ pub(super) fn second_mount_on(fx: &Fx, kv: Arc<dyn KvBackend>) -> Fx {
 
 /// A second mount (its own session) of the filesystem `fx` serves.
 pub(super) fn second_mount(fx: &Fx) -> Fx {
-    Fx {
-        fs: mount(&fx.kv, &fx.dev),
-        kv: fx.kv.clone(),
-        dev: fx.dev.clone(),
-        out: vec![0; 2 << 20],
-        unique: 1,
-    }
+    fx.another_mount(&CacheOpts::uniform(Duration::from_secs(1)))
 }
 
 fn counter(fx: &Fx, name: &str) -> u64 {
@@ -1845,21 +1831,11 @@ fn changes_on_one_mount_reach_the_others_caches() {
 
 #[test]
 fn a_directory_over_the_name_set_limit_is_looked_up_name_by_name() {
-    let kv = Arc::new(MemEtcd::new(Arc::new(SystemClock::new())));
-    let dev = MemDev::new(DEV_BYTES);
-    format(&kv, &dev, false).unwrap();
     let opts = CacheOpts {
         dir_names_max: 16,
         ..CacheOpts::uniform(Duration::from_secs(1))
     };
-    let fx_of = |fs| Fx {
-        fs,
-        kv: kv.clone(),
-        dev: dev.clone(),
-        out: vec![0; 2 << 20],
-        unique: 1,
-    };
-    let mut fx = fx_of(mount_with(&kv, &dev, &opts));
+    let mut fx = Fx::with_opts(&opts);
     eventually("watch live", || counter(&fx, "watch_live") == 1);
     let d = fx.mkdir(ROOT, b"big");
     let mut inos = Vec::new();
@@ -1867,7 +1843,7 @@ fn a_directory_over_the_name_set_limit_is_looked_up_name_by_name() {
         inos.push(fx.create(d, format!("f{i}").as_bytes()).0);
     }
     // A second mount has no name set for it: its first lookup finds it over the limit.
-    let mut b = fx_of(mount_with(&kv, &dev, &opts));
+    let mut b = fx.another_mount(&opts);
     eventually("watch live", || counter(&b, "watch_live") == 1);
     let _ = b.lookup(d, b"f0");
     assert_eq!(counter(&b, "cache_dir_names_over_limit"), 1);
@@ -2686,13 +2662,7 @@ fn a_read_only_mount_refuses_changes_and_writes_nothing_of_its_own() {
         read_only: true,
         ..CacheOpts::uniform(Duration::from_secs(1))
     };
-    let mut ro = Fx {
-        fs: mount_with(&fx.kv, &fx.dev, &opts),
-        kv: fx.kv.clone(),
-        dev: fx.dev.clone(),
-        out: vec![0; 2 << 20],
-        unique: 1,
-    };
+    let mut ro = fx.another_mount(&opts);
     // Reads work (a first read after a write would move atime under relatime).
     let e = ro.lookup(ROOT, b"f");
     assert_eq!(e.nodeid, f);

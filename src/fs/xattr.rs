@@ -12,7 +12,7 @@ use meta::{acl, codec::FLAG_NO_XATTRS};
 
 /// The SELinux label's attribute, refused unless the mount stores it
 /// (`Inner::selinux_xattr`).
-pub(super) const SELINUX_NAME: &[u8] = b"security.selinux";
+const SELINUX_NAME: &[u8] = b"security.selinux";
 
 /// Which ACL an xattr name is: `Some(true)` the default ACL, `Some(false)` the access ACL.
 pub(super) fn acl_name(name: &[u8]) -> Option<bool> {
@@ -133,11 +133,9 @@ impl Inner {
         }
     }
 
+    /// A name [`Inner::xattr_refused`] refuses is answered before this, on the core.
     pub(super) fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Result<Done, Errno> {
         fusedev::names::check_xattr_name(name)?;
-        if self.xattr_refused(name) {
-            return Err(Errno::EOPNOTSUPP);
-        }
         let v = self
             .meta
             .get_xattr(Ino(ino), name.to_vec())
