@@ -319,6 +319,14 @@ pub trait Handler: Send + Sync + 'static {
         true
     }
 
+    /// Descriptors that [`Segment::Device`] ranges name and that stay open, on the same
+    /// files, for as long as the handler lives: a ring transport registers them with its
+    /// rings (fixed files), so its device transfers skip the descriptor lookup. A range on
+    /// any other descriptor still works.
+    fn stable_fds(&self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
+    }
+
     /// Called once after INIT negotiation, before any other request.
     fn init(&self, _negotiated: &crate::init::Negotiated) {}
 

@@ -524,6 +524,11 @@ impl Handler for EtcFs {
         self.inner.fence.open()
     }
 
+    fn stable_fds(&self) -> Vec<std::os::fd::RawFd> {
+        // The device stays open for the filesystem's life (`Inner::dev`).
+        self.inner.dev.fd().into_iter().collect()
+    }
+
     fn counters(&self) -> Vec<(String, u64)> {
         let m = self.inner.meta.stats();
         let mut c: Vec<(String, u64)> = vec![

@@ -131,6 +131,36 @@ pub(crate) const DESCS: &[Desc] = &[
         &[("outcome", "miss")],
         "",
     ),
+    counter(
+        "device_wait_sleeps",
+        "etcfs_worker_device_waits",
+        &[("outcome", "slept")],
+        "Waits of a FUSE worker with device I/O in flight (--device-spin-us): slept through          (backing off after spins that ran out), napped and woken early by a completion, or          spun for and the completion came (hit) or did not (miss).",
+    ),
+    counter(
+        "device_wait_naps_woken",
+        "etcfs_worker_device_waits",
+        &[("outcome", "nap_woken")],
+        "",
+    ),
+    counter(
+        "device_wait_spin_hits",
+        "etcfs_worker_device_waits",
+        &[("outcome", "spin_hit")],
+        "",
+    ),
+    counter(
+        "device_wait_spin_misses",
+        "etcfs_worker_device_waits",
+        &[("outcome", "spin_miss")],
+        "",
+    ),
+    counter(
+        "worker_idle_sleeps",
+        "etcfs_worker_idle_sleeps",
+        &[],
+        "Times a FUSE worker with no device I/O in flight slept until its next request.",
+    ),
     // The shared device.
     counter(
         "device_read_bytes_worker",

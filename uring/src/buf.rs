@@ -209,6 +209,13 @@ impl HugeArena {
         })
     }
 
+    /// Start and length of the region buffers are carved from (for registering it with a
+    /// ring: see [`crate::fixed`]).
+    pub fn region(&self) -> (*mut u8, usize) {
+        // SAFETY: `start` lies inside the mapping (see `new`).
+        (unsafe { self.map.base.as_ptr().add(self.start) }, self.cap)
+    }
+
     /// Bytes an arena needs to carve `count` buffers of `len` bytes each.
     pub fn size_for(count: usize, len: usize) -> usize {
         let len = len.max(1).next_multiple_of(BUF_ALIGN);

@@ -17,12 +17,14 @@
 pub mod batch;
 pub mod buf;
 pub mod cpu;
+pub mod fixed;
 pub mod ring;
 pub mod slab;
 pub mod spin;
 pub mod wake;
 
 pub use buf::{AlignedBuf, HugeArena};
+pub use fixed::Registered;
 pub use ring::{Completion, Ring, RingConfig};
 pub use slab::InFlight;
 pub use spin::{SpinPolicy, Transfer, WaitPlan, Waited};

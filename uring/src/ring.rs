@@ -39,7 +39,7 @@ pub struct Completion {
 /// A ring owned by one thread. `S` is [`squeue::Entry`] for ordinary rings and
 /// [`squeue::Entry128`] for rings that carry 80-byte `URING_CMD`s (FUSE-over-io_uring).
 pub struct Ring<S: EntryMarker = squeue::Entry> {
-    ring: IoUring<S, cqueue::Entry>,
+    pub(crate) ring: IoUring<S, cqueue::Entry>,
 }
 
 impl<S: EntryMarker> Ring<S> {

@@ -18,8 +18,8 @@ use crossbeam_channel::Sender;
 
 use super::{
     collect_starts, count_device_io, count_reply, count_request, device_wait_plan, dispatch,
-    op_index, out_header, plan_fits, settle_worker_thread, spawn, submit_early, IoProgress,
-    SessionConfig, SessionError, Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
+    op_index, out_header, plan_fits, settle_worker_thread, spawn, submit_early, wait_counter,
+    IoProgress, SessionConfig, SessionError, Shared, OUT_HEADER_LEN, REQUEST_HEADER_ROOM,
 };
 use crate::{
     mount::owned,
@@ -206,15 +206,17 @@ impl<'a> Worker<'a> {
             if w.live == 0 || shared.stop.load(Ordering::Relaxed) {
                 break;
             }
-            let plan = device_wait_plan(
-                &mut w.spin,
-                w.slots.iter().filter_map(|s| match s.state {
-                    SlotState::DeviceIo(_, ref io) => Some(io),
-                    _ => None,
-                }),
-            );
+            let mut in_flight = w.slots.iter().filter_map(|s| match s.state {
+                SlotState::DeviceIo(_, ref io) => Some(io),
+                _ => None,
+            });
+            let device_busy = in_flight.clone().next().is_some();
+            let plan = device_wait_plan(&mut w.spin, &mut in_flight);
             match w.ring.before_sleep(plan) {
-                Ok(waited) => w.spin.after_wait(waited),
+                Ok(waited) => {
+                    w.recorder.add_counter(wait_counter(device_busy, waited), 1);
+                    w.spin.after_wait(waited);
+                }
                 Err(e) => {
                     log::warn!("devfuse worker {core}: io_uring_enter: {e}");
                     break;

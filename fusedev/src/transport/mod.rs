@@ -29,7 +29,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use uring::{SpinPolicy, Transfer, WaitPlan, Waker};
+use uring::{SpinPolicy, Transfer, WaitPlan, Waited, Waker};
 use zerocopy::IntoBytes;
 
 use crate::{
@@ -71,7 +71,7 @@ pub enum TransportChoice {
 }
 
 /// Named counters the transport keeps in the session's `perf` registry, in this order.
-pub const COUNTERS: [&str; 11] = [
+pub const COUNTERS: [&str; 16] = [
     "ring_entries_passed",
     "ring_entries_returned",
     "ring_write_pieces_spread",
@@ -83,6 +83,11 @@ pub const COUNTERS: [&str; 11] = [
     "device_reads_worker",
     "device_write_bytes_worker",
     "device_writes_worker",
+    "device_wait_sleeps",
+    "device_wait_naps_woken",
+    "device_wait_spin_hits",
+    "device_wait_spin_misses",
+    "worker_idle_sleeps",
 ];
 /// Index in [`COUNTERS`]: ring entries a worker passed to a less busy one.
 pub(crate) const RING_ENTRIES_PASSED: usize = 0;
@@ -107,6 +112,18 @@ const DEVICE_READ_BYTES: usize = 7;
 const DEVICE_READS: usize = 8;
 const DEVICE_WRITE_BYTES: usize = 9;
 const DEVICE_WRITES: usize = 10;
+/// Index in [`COUNTERS`] of how a wait of a worker went: with device I/O in flight, its
+/// outcome; with none, a sleep until the next request (a ring worker's linger counts
+/// apart).
+pub(crate) fn wait_counter(device_busy: bool, waited: Waited) -> usize {
+    match (device_busy, waited) {
+        (false, _) => 15,
+        (true, Waited::Slept) => 11,
+        (true, Waited::WokenEarly) => 12,
+        (true, Waited::SpinHit) => 13,
+        (true, Waited::SpinMiss) => 14,
+    }
+}
 
 /// Counts the data of a request as it arrives: a WRITE's bytes.
 pub(crate) fn count_request(recorder: &perf::CoreRecorder, req: &Request<'_>) {

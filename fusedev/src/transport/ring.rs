@@ -16,14 +16,14 @@ use std::{
     time::Duration,
 };
 
-use io_uring::{opcode, squeue::Entry128, types};
+use io_uring::squeue::Entry128;
 use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, WaitPlan, Waited, Waker};
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     collect_starts, count_reply, device_wait_plan, dispatch, op_index, out_header, plan_fits,
-    settle_worker_thread, spawn, submit_early, IoProgress, SessionConfig, Shared,
+    settle_worker_thread, spawn, submit_early, wait_counter, IoProgress, SessionConfig, Shared,
     REQUEST_HEADER_ROOM, RING_ENTRIES_PASSED, RING_ENTRIES_RETURNED, RING_LINGER_HITS,
     RING_LINGER_MISSES, RING_WRITE_PIECES_SPREAD,
 };
@@ -338,6 +338,8 @@ struct Worker<'a> {
     holds: Vec<Option<Hold>>,
     /// Device reads and writes submitted and not yet completed.
     device_ios: usize,
+    /// The payload arena and the handler's stable descriptors, as registered with `ring`.
+    fixed: uring::Registered,
     /// Large WRITEs taken from the kernel in the batch of completions being handled.
     large_writes_in_batch: usize,
     /// How to wait while they are, and what they took so far.
@@ -368,7 +370,7 @@ impl<'a> Worker<'a> {
         // Each entry has at most one command plus its READ segments in flight; segments are
         // bounded by the ring's size through back-pressure in `Ring::push`.
         let sq_entries_max = (entries_max * 4 + 8).next_power_of_two() as u32;
-        let ring: Ring<Entry128> = match Ring::new(RingConfig { sq_entries_max }) {
+        let mut ring: Ring<Entry128> = match Ring::new(RingConfig { sq_entries_max }) {
             Ok(r) => r,
             Err(e) => {
                 let _ = started.send(Err(format!("io_uring with SQE128: {e}")));
@@ -385,6 +387,16 @@ impl<'a> Worker<'a> {
                 None
             }
         };
+        let stable_fds = shared.handler.stable_fds();
+        // SAFETY: the arena's mapping outlives the ring: every payload carved from it holds
+        // it, and the entries are dropped after the ring or never (see the end of `run`);
+        // the handler keeps `stable_fds` open on the same files while it lives, and it
+        // outlives the session.
+        let (fixed, refused) =
+            unsafe { ring.register_fixed(arena.as_ref().map(HugeArena::region), &stable_fds) };
+        for e in refused {
+            log::info!("ring worker {core}: device transfers without registration: {e}");
+        }
         let mut entries: Vec<Entry> = Vec::with_capacity(entries_max);
         for &qid in queues {
             for _ in 0..entries_per_queue {
@@ -421,6 +433,7 @@ impl<'a> Worker<'a> {
             ring,
             devfd: shared.mount.fd(),
             device_ios: 0,
+            fixed,
             large_writes_in_batch: 0,
             spin: SpinPolicy::new(shared.device_spin),
             peers,
@@ -502,10 +515,11 @@ impl<'a> Worker<'a> {
                     };
                     w.recorder.add_counter(counter, 1);
                 }),
-                None => w
-                    .ring
-                    .before_sleep(plan)
-                    .map(|waited| w.spin.after_wait(waited)),
+                None => w.ring.before_sleep(plan).map(|waited| {
+                    let counter = wait_counter(w.device_ios > 0, waited);
+                    w.recorder.add_counter(counter, 1);
+                    w.spin.after_wait(waited);
+                }),
             };
             if let Err(e) = waited {
                 log::warn!("ring worker {core}: io_uring_enter: {e}");
@@ -754,9 +768,9 @@ impl<'a> Worker<'a> {
                 Segment::Device { len, .. } if !allowed => progress.segment_queued(len, false),
                 Segment::Device { fd, offset, len } => {
                     let buf = e.payload[pos..].as_mut_ptr();
-                    let sqe = opcode::Read::new(types::Fd(fd), buf, len as u32)
-                        .offset(offset)
-                        .build()
+                    let sqe = self
+                        .fixed
+                        .read(fd, buf, len as u32, offset)
                         .user_data(TAG_DATA_IO | idx as u64);
                     // SAFETY: the range lies inside the payload (the plan was checked to fit)
                     // and the entry stays in `Reading` until every read completes.
@@ -781,9 +795,9 @@ impl<'a> Worker<'a> {
                 continue;
             }
             let buf = e.payload[seg.src..seg.src + seg.len].as_ptr();
-            let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)
-                .offset(seg.offset)
-                .build()
+            let sqe = self
+                .fixed
+                .write(seg.fd, buf, seg.len as u32, seg.offset)
                 .user_data(TAG_DATA_IO | idx as u64);
             // SAFETY: the range lies inside the payload (`dispatch` checked the plan against
             // the WRITE's data, which is the payload's start), and the entry stays in
