@@ -36,8 +36,7 @@ ETCD_PID=
 MNT=
 cleanup() {
 	if [ -n "$MNT" ] && mountpoint -q "$MNT"; then umount "$MNT" 2>/dev/null || umount -l "$MNT"; fi
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-	if [ -n "$ETCD_PID" ]; then kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true; fi
+	stop_started
 	rm -rf "$WORK"
 }
 trap cleanup EXIT

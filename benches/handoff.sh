@@ -46,7 +46,7 @@ cleanup() {
 	for m in "$WORK/a" "$WORK/b" "$WORK/c"; do
 		if mountpoint -q "$m" 2>/dev/null; then umount "$m" || umount -l "$m" || true; fi
 	done
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	stop_started
 	if [ -n "${HANDOFF_KEEP:-}" ]; then echo "kept $WORK" >&2; rm -f "$IMG"; else rm -rf "$WORK" "$IMG"; fi
 }
 trap cleanup EXIT

@@ -52,6 +52,14 @@ mount_etcfs() {
 	return 1
 }
 
+# stop_started: ends, for the caller's cleanup trap, what it started with mount_etcfs
+# (its `pids`, daemons first) and start_etcd (ETCD_PID, if set), waiting for each.
+stop_started() {
+	local p
+	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	if [ -n "${ETCD_PID:-}" ]; then kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true; fi
+}
+
 # need COMMAND PACKAGE: installs PACKAGE with apt-get when COMMAND is missing (once more
 # after an apt-get update). Uses the caller's log, die and WORK (apt's output goes to
 # $WORK/apt.log).

@@ -38,10 +38,9 @@ mnt=$work/etcfs ext=$work/ext4
 cleanup() {
 	local rc=$?
 	umount "$mnt" 2>/dev/null || true
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	stop_started
 	umount "$ext" 2>/dev/null || true
 	[ -z "$loopdev" ] || losetup -d "$loopdev" 2>/dev/null || true
-	if [ -n "$ETCD_PID" ]; then kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true; fi
 	# A failed run keeps the daemon's log (a listing's EIO at 100,000 entries went
 	# unexplained once because it was deleted with the rest).
 	if [ "$rc" != 0 ] && [ -f "$work/etcfs.log" ]; then

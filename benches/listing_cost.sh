@@ -45,8 +45,7 @@ ETCD_PID="" pids=()
 mnt=$work/etcfs
 cleanup() {
 	umount "$mnt" 2>/dev/null || true
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-	if [ -n "$ETCD_PID" ]; then kill "$ETCD_PID" 2>/dev/null || true; wait "$ETCD_PID" 2>/dev/null || true; fi
+	stop_started
 	rm -rf "$work"
 }
 trap cleanup EXIT

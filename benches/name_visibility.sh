@@ -37,7 +37,7 @@ cleanup() {
 	for m in "$WORK/a" "$WORK/b"; do
 		if mountpoint -q "$m" 2>/dev/null; then umount "$m" || umount -l "$m" || true; fi
 	done
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	stop_started
 	rm -rf "$WORK" "$IMG"
 }
 trap cleanup EXIT

@@ -42,7 +42,7 @@ EP=http://127.0.0.1:$PORT
 pids=()
 cleanup() {
 	if mountpoint -q "$WORK/m" 2>/dev/null; then umount "$WORK/m" || umount -l "$WORK/m" || true; fi
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	stop_started
 	rm -rf "$WORK" "$IMG"
 }
 trap cleanup EXIT

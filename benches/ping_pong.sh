@@ -55,7 +55,7 @@ cleanup() {
 	for m in "${MNTS[@]}"; do
 		if mountpoint -q "$m" 2>/dev/null; then umount "$m" 2>/dev/null || umount -l "$m" || true; fi
 	done
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	stop_started
 	rm -rf "$WORK" "$IMG" "$LOCALDIR"
 }
 trap cleanup EXIT

@@ -135,7 +135,9 @@ pub(crate) const DESCS: &[Desc] = &[
         "device_wait_sleeps",
         "etcfs_worker_device_waits",
         &[("outcome", "slept")],
-        "Waits of a FUSE worker with device I/O in flight (--device-spin-us): slept through          (backing off after spins that ran out), napped and woken early by a completion, or          spun for and the completion came (hit) or did not (miss).",
+        "Waits of a FUSE worker with device I/O in flight (--device-spin-us): slept through \
+         (backing off after spins that ran out), napped and woken early by a completion, or \
+         spun for and the completion came (hit) or did not (miss).",
     ),
     counter(
         "device_wait_naps_woken",

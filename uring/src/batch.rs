@@ -118,21 +118,14 @@ fn wait_one(ring: &mut Ring) {
 
 #[cfg(test)]
 mod tests {
-    use std::{fs::File, io::Write as _, os::fd::AsRawFd};
+    use std::{io::Write as _, os::fd::AsRawFd};
 
     use super::*;
     use crate::RingConfig;
 
     #[test]
     fn reads_and_writes_in_order_with_results() {
-        let path = std::env::temp_dir().join(format!("uring-batch-{}", std::process::id()));
-        let mut f = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
+        let mut f = crate::scratch_file("batch");
         f.write_all(&[7u8; 8192]).unwrap();
         let mut ring: Ring = Ring::new(RingConfig { sq_entries_max: 4 }).unwrap();
         let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 100]);
@@ -170,6 +163,5 @@ mod tests {
         let mut back = vec![0u8; 4096];
         std::os::unix::fs::FileExt::read_exact_at(&f, &mut back, 4096).unwrap();
         assert!(back.iter().all(|&x| x == 9));
-        std::fs::remove_file(path).unwrap();
     }
 }

@@ -29,47 +29,43 @@ pub struct Registered {
     files: Vec<RawFd>,
 }
 
+/// Evaluates `$build` with `$file` the registered file for `$fd` when there is one, the
+/// plain descriptor otherwise: the opcode builders take either, but as different types.
+macro_rules! on_file {
+    ($reg:expr, $fd:expr, |$file:ident| $build:expr) => {
+        match $reg.file($fd) {
+            Some($file) => $build,
+            None => {
+                let $file = types::Fd($fd);
+                $build
+            }
+        }
+    };
+}
+
 impl Registered {
     /// A READ of `len` bytes at `offset` of `fd` into `buf`.
     pub fn read(&self, fd: RawFd, buf: *mut u8, len: u32, offset: u64) -> squeue::Entry {
-        match (self.in_region(buf, len), self.file(fd)) {
-            (true, Some(f)) => opcode::ReadFixed::new(f, buf, len, REGION_INDEX)
+        let fixed_buf = self.in_region(buf, len);
+        on_file!(self, fd, |file| if fixed_buf {
+            opcode::ReadFixed::new(file, buf, len, REGION_INDEX)
                 .offset(offset)
-                .build(),
-            (true, None) => opcode::ReadFixed::new(types::Fd(fd), buf, len, REGION_INDEX)
-                .offset(offset)
-                .build(),
-            (false, Some(f)) => opcode::Read::new(f, buf, len).offset(offset).build(),
-            (false, None) => opcode::Read::new(types::Fd(fd), buf, len)
-                .offset(offset)
-                .build(),
-        }
+                .build()
+        } else {
+            opcode::Read::new(file, buf, len).offset(offset).build()
+        })
     }
 
     /// A WRITE of `len` bytes from `buf` at `offset` of `fd`.
     pub fn write(&self, fd: RawFd, buf: *const u8, len: u32, offset: u64) -> squeue::Entry {
-        match (self.in_region(buf, len), self.file(fd)) {
-            (true, Some(f)) => opcode::WriteFixed::new(f, buf, len, REGION_INDEX)
+        let fixed_buf = self.in_region(buf, len);
+        on_file!(self, fd, |file| if fixed_buf {
+            opcode::WriteFixed::new(file, buf, len, REGION_INDEX)
                 .offset(offset)
-                .build(),
-            (true, None) => opcode::WriteFixed::new(types::Fd(fd), buf, len, REGION_INDEX)
-                .offset(offset)
-                .build(),
-            (false, Some(f)) => opcode::Write::new(f, buf, len).offset(offset).build(),
-            (false, None) => opcode::Write::new(types::Fd(fd), buf, len)
-                .offset(offset)
-                .build(),
-        }
-    }
-
-    /// Whether a buffer region is registered.
-    pub fn has_region(&self) -> bool {
-        self.region.is_some()
-    }
-
-    /// How many files are registered.
-    pub fn files(&self) -> usize {
-        self.files.len()
+                .build()
+        } else {
+            opcode::Write::new(file, buf, len).offset(offset).build()
+        })
     }
 
     fn in_region(&self, buf: *const u8, len: u32) -> bool {
@@ -145,15 +141,7 @@ mod tests {
 
     #[test]
     fn fixed_and_plain_transfers_move_the_same_bytes() {
-        let path = std::env::temp_dir().join(format!("etcfs-uring-fixed-{}", std::process::id()));
-        let mut file = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        std::fs::remove_file(&path).unwrap();
+        let mut file = crate::scratch_file("fixed");
         let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
         file.write_all(&data).unwrap();
         let fd = file.as_raw_fd();
@@ -165,8 +153,8 @@ mod tests {
         // SAFETY: the arena and the file outlive the ring (dropped first, below).
         let (reg, errors) = unsafe { ring.register_fixed(Some((start, len)), &[fd]) };
         assert!(errors.is_empty(), "{errors:?}");
-        assert!(reg.has_region());
-        assert_eq!(reg.files(), 1);
+        assert!(reg.region.is_some());
+        assert_eq!(reg.files.len(), 1);
         // Fixed buffer and fixed file; plain buffer and fixed file; both plain (an
         // unregistered descriptor of the same file).
         let dup = file.try_clone().unwrap();

@@ -29,3 +29,19 @@ pub use ring::{Completion, Ring, RingConfig};
 pub use slab::InFlight;
 pub use spin::{SpinPolicy, Transfer, WaitPlan, Waited};
 pub use wake::Waker;
+
+/// A file of the test's own, open for reading and writing and already unlinked, so nothing
+/// is left behind whether the test passes or not.
+#[cfg(test)]
+pub(crate) fn scratch_file(tag: &str) -> std::fs::File {
+    let path = std::env::temp_dir().join(format!("etcfs-uring-{tag}-{}", std::process::id()));
+    let file = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    file
+}

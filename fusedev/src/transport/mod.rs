@@ -112,16 +112,25 @@ const DEVICE_READ_BYTES: usize = 7;
 const DEVICE_READS: usize = 8;
 const DEVICE_WRITE_BYTES: usize = 9;
 const DEVICE_WRITES: usize = 10;
+/// Index in [`COUNTERS`]: how the waits of a worker with device I/O in flight went (see
+/// [`wait_counter`]).
+const DEVICE_WAIT_SLEEPS: usize = 11;
+const DEVICE_WAIT_NAPS_WOKEN: usize = 12;
+const DEVICE_WAIT_SPIN_HITS: usize = 13;
+const DEVICE_WAIT_SPIN_MISSES: usize = 14;
+/// Index in [`COUNTERS`]: sleeps of a worker with nothing in flight.
+const WORKER_IDLE_SLEEPS: usize = 15;
+
 /// Index in [`COUNTERS`] of how a wait of a worker went: with device I/O in flight, its
 /// outcome; with none, a sleep until the next request (a ring worker's linger counts
 /// apart).
 pub(crate) fn wait_counter(device_busy: bool, waited: Waited) -> usize {
     match (device_busy, waited) {
-        (false, _) => 15,
-        (true, Waited::Slept) => 11,
-        (true, Waited::WokenEarly) => 12,
-        (true, Waited::SpinHit) => 13,
-        (true, Waited::SpinMiss) => 14,
+        (false, _) => WORKER_IDLE_SLEEPS,
+        (true, Waited::Slept) => DEVICE_WAIT_SLEEPS,
+        (true, Waited::WokenEarly) => DEVICE_WAIT_NAPS_WOKEN,
+        (true, Waited::SpinHit) => DEVICE_WAIT_SPIN_HITS,
+        (true, Waited::SpinMiss) => DEVICE_WAIT_SPIN_MISSES,
     }
 }
 
