@@ -430,3 +430,61 @@ fn readers_on_one_node_while_the_other_rewrites() {
         "B reads the last version"
     );
 }
+
+/// `getxattr(2)` of `name` on `p` through the syscall helper: its value, or the errno.
+fn get_xattr(p: &Path, name: &str) -> Result<String, i32> {
+    // "LEN VALUE"
+    common::helper(&["getxattr", &p.to_string_lossy(), name, "256"]).map(|out| {
+        out.split_once(' ')
+            .map_or(String::new(), |(_, v)| v.to_string())
+    })
+}
+
+/// `setxattr(2)` of `name` on `p` to `value`, or with `None` `removexattr(2)`.
+fn put_xattr(p: &Path, name: &str, value: Option<&str>) {
+    let path = p.to_string_lossy();
+    let r = match value {
+        Some(v) => common::helper(&["setxattr", &path, name, v, "0"]),
+        None => common::helper(&["removexattr", &path, name]),
+    };
+    assert!(r.is_ok(), "{name} on {path}: {r:?}");
+}
+
+/// A node answers "no such attribute" from the inode's cached attributes (`ls -l` asks
+/// every file for its ACL and label); another node's setxattr and removexattr must still
+/// reach it, through the same watch that drops the attributes.
+#[test]
+fn an_xattr_another_node_sets_or_removes_is_seen() {
+    let Some((_fs, a, b)) = two_nodes("xattr_across_nodes") else {
+        return;
+    };
+    let within = std::time::Duration::from_secs(5);
+    let (pa, pb) = (a.path("f"), b.path("f"));
+    fs::write(&pa, b"x").expect("create on A");
+    for _ in 0..3 {
+        assert_eq!(get_xattr(&pb, "user.k"), Err(libc::ENODATA), "B: absent");
+    }
+    put_xattr(&pa, "user.k", Some("v1"));
+    assert!(
+        common::eventually(within, || get_xattr(&pb, "user.k").as_deref() == Ok("v1")),
+        "B sees A's attribute: {:?}",
+        get_xattr(&pb, "user.k")
+    );
+    put_xattr(&pa, "user.k", None);
+    assert!(
+        common::eventually(within, || get_xattr(&pb, "user.k") == Err(libc::ENODATA)),
+        "B sees the removal: {:?}",
+        get_xattr(&pb, "user.k")
+    );
+    // A file that never had an attribute, read absent on B, then given one on A.
+    let (ga, gb) = (a.path("g"), b.path("g"));
+    fs::write(&ga, b"y").expect("create g on A");
+    assert_eq!(get_xattr(&gb, "user.k"), Err(libc::ENODATA));
+    assert_eq!(get_xattr(&gb, "security.capability"), Err(libc::ENODATA));
+    put_xattr(&ga, "user.k", Some("v2"));
+    assert!(
+        common::eventually(within, || get_xattr(&gb, "user.k").as_deref() == Ok("v2")),
+        "B sees g's first attribute: {:?}",
+        get_xattr(&gb, "user.k")
+    );
+}
