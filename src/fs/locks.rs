@@ -270,6 +270,8 @@ pub(crate) struct LockTable {
     /// Keys of ours the watch saw put for files not held here (see [`LockTable::put_seen`]),
     /// with the revision of the put and when it was seen.
     strays: Mutex<HashMap<u64, (i64, Instant)>>,
+    /// Puts of keys of ours left out of a full `strays` since housekeeping last said so.
+    strays_left_out: AtomicUsize,
     /// How long a lock just granted is kept before giving way (`--lock-min-hold-ms`): a
     /// node taking turns with another on one file gets more done per turn instead of
     /// bouncing the lock on every operation (GFS2 holds a glock 200 ms by default), and
@@ -306,7 +308,7 @@ impl Drop for Creating<'_> {
     }
 }
 
-/// Unknown keys of ours remembered at once; more are left (and logged).
+/// Unknown keys of ours remembered at once; more are left (and counted in the log).
 const STRAYS_MAX: usize = 1024;
 /// How long an unknown key waits for a moment with no create in flight before it is
 /// left alone (logged): its node's lease ends it at the latest.
@@ -480,6 +482,7 @@ impl LockTable {
             share_rx: Mutex::new(Some(share_rx)),
             creates: AtomicUsize::new(0),
             strays: Mutex::new(HashMap::new()),
+            strays_left_out: AtomicUsize::new(0),
             min_hold,
         }
     }
@@ -509,7 +512,7 @@ impl LockTable {
         if strays.len() < STRAYS_MAX {
             strays.insert(ino, (rev, Instant::now()));
         } else {
-            log::warn!("inode {ino}: an unknown lock of ours in etcd not looked at (too many)");
+            self.strays_left_out.fetch_add(1, SeqCst);
         }
     }
 
@@ -1454,6 +1457,13 @@ impl Inner {
     /// recorded here, and a create that started after the put cannot be the one that made
     /// it (the watch saw it first). Ones a create could still own wait for the next call.
     pub(super) fn drop_strays(&self) {
+        let left_out = self.locks.strays_left_out.swap(0, SeqCst);
+        if left_out > 0 {
+            log::warn!(
+                "{left_out} unknown locks of ours in etcd not looked at: more than {STRAYS_MAX} \
+                 at once; other nodes wait for any that are strays until this node's lease ends"
+            );
+        }
         let due: Vec<(u64, i64, Instant)> = {
             let strays = super::lock(&self.locks.strays);
             if strays.is_empty() {
@@ -1461,6 +1471,22 @@ impl Inner {
             }
             strays.iter().map(|(&i, &(r, t))| (i, r, t)).collect()
         };
+        // The watch sees a create's key before the create records it; once it is recorded
+        // (held here) it is no stray, creates in flight or not. Without this, a steady
+        // create load (100,000 files from one loop) kept the table full of its own keys,
+        // waiting for a moment with no create in flight, and left real strays out.
+        let (recorded, due): (Vec<_>, Vec<_>) = due
+            .into_iter()
+            .partition(|&(ino, _, _)| self.locks.held(ino).is_some());
+        if !recorded.is_empty() {
+            let mut strays = super::lock(&self.locks.strays);
+            for (ino, rev, _) in recorded {
+                // Only the put looked at: a later one is looked at next time.
+                if strays.get(&ino).is_some_and(|&(r, _)| r == rev) {
+                    strays.remove(&ino);
+                }
+            }
+        }
         for (ino, rev, seen) in due {
             if self.locks.creates.load(SeqCst) > 0 {
                 if seen.elapsed() > STRAY_PATIENCE {
@@ -1508,6 +1534,21 @@ impl Inner {
             drop(e);
             self.locks.prune(ino);
         }
+    }
+
+    /// Remembers `ino` as the watch does an unknown key of ours put at `rev`, and
+    /// returns how many are remembered.
+    #[cfg(test)]
+    pub(super) fn remember_stray(&self, ino: u64, rev: i64) -> usize {
+        let mut strays = super::lock(&self.locks.strays);
+        strays.insert(ino, (rev, Instant::now()));
+        strays.len()
+    }
+
+    /// Unknown keys of ours remembered.
+    #[cfg(test)]
+    pub(super) fn strays_remembered(&self) -> usize {
+        super::lock(&self.locks.strays).len()
     }
 
     /// Gives `ino`'s lock up as if another node asked for it exclusively.
