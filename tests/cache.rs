@@ -493,8 +493,17 @@ fn a_nodes_own_commits_keep_its_page_cache() {
         w.write_all(chunk).expect("write");
     }
     assert!(fs::read(&p).expect("first read") == data, "read back");
-    let counter = |name| stat_counter(&a, name).unwrap_or_else(|| panic!("no {name}"));
-    let (read0, inval0) = (counter("fuse_read_bytes"), counter("kernel_inval_data"));
+    // READ bytes the daemon served and page-cache invalidations it sent, from one report.
+    let counters = || {
+        let stats = stats_json(&a);
+        let n = |name: &str| {
+            stats["counters"][name]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no {name}"))
+        };
+        (n("fuse_read_bytes"), n("kernel_inval_data"))
+    };
+    let (read0, inval0) = counters();
     let t0 = Instant::now();
     let mut passes = 0;
     while t0.elapsed() < Duration::from_millis(2500) {
@@ -507,10 +516,8 @@ fn a_nodes_own_commits_keep_its_page_cache() {
         assert!(fs::read(&p).expect("read after close") == data);
         thread::sleep(Duration::from_millis(100));
     }
-    let (read, inval) = (
-        counter("fuse_read_bytes") - read0,
-        counter("kernel_inval_data") - inval0,
-    );
+    let (read, inval) = counters();
+    let (read, inval) = (read - read0, inval - inval0);
     loud(&format!(
         "{} warm passes over a write-behind commit and a close: {read} bytes read from the \
          daemon, {inval} page-cache invalidations",
