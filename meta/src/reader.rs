@@ -5,7 +5,7 @@ use crate::{
     codec::{decode_at, Dentry, Extent, InodeAttr, Owner, SuperRecord, SymlinkTarget, XattrValue},
     error::MetaError,
     keys::{KeyKind, Keyspace},
-    kv::{KvBackend, RangeRequest},
+    kv::{KvBackend, RangeRequest, Txn, TxnOp, TxnOpResponse},
     types::{Ino, Revision, SessionId},
 };
 
@@ -110,6 +110,79 @@ pub async fn get_inode_at(
         });
     }
     Ok((Some(attr), rev))
+}
+
+/// An inode's attributes and the first `limit` extents of its map, read at one revision
+/// (one read-only transaction): what an open needs to serve its file's reads without
+/// etcd afterwards.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InodeWithExtents {
+    /// The attributes (None if the inode is absent).
+    pub attr: Option<InodeAttr>,
+    /// Extents in offset order, from offset 0.
+    pub extents: Vec<Extent>,
+    /// More extents follow the last one.
+    pub more: bool,
+    /// Revision of the read.
+    pub revision: Revision,
+}
+
+/// Reads an inode's attributes and the first `limit` extents of its map at one revision.
+pub async fn inode_with_extents_at(
+    kv: &dyn KvBackend,
+    keys: &Keyspace,
+    ino: Ino,
+    limit: usize,
+) -> Result<InodeWithExtents, MetaError> {
+    let key = keys.inode(ino);
+    let range = keys.extents(ino);
+    let lim = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+    let txn = Txn {
+        compares: Vec::new(),
+        success: vec![
+            TxnOp::Range(RangeRequest::key(key.clone())),
+            TxnOp::Range(RangeRequest::range(range.start, range.end).limit(lim)),
+        ],
+        failure: Vec::new(),
+    };
+    let r = kv.txn(txn).await?;
+    let mut ranges = r.responses.into_iter().filter_map(|op| match op {
+        TxnOpResponse::Range(rr) => Some(rr),
+        _ => None,
+    });
+    let (Some(inode), Some(map)) = (ranges.next(), ranges.next()) else {
+        return Err(MetaError::Corrupt {
+            key: keys.describe(&key),
+            reason: "a read of the inode and its extents came back without both".into(),
+        });
+    };
+    let revision = Revision(r.revision);
+    let Some(item) = inode.kvs.first() else {
+        return Ok(InodeWithExtents {
+            attr: None,
+            extents: Vec::new(),
+            more: false,
+            revision,
+        });
+    };
+    let attr: InodeAttr = decode_at(keys, &key, &item.value)?;
+    if attr.ino != ino {
+        return Err(MetaError::Corrupt {
+            key: keys.describe(&key),
+            reason: format!("inode record says ino {}", attr.ino),
+        });
+    }
+    let extents = map
+        .kvs
+        .iter()
+        .map(|item| decode_extent(keys, item))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(InodeWithExtents {
+        attr: Some(attr),
+        extents,
+        more: map.more,
+        revision,
+    })
 }
 
 /// Looks up one name, with the store revision of the read.

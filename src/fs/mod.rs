@@ -114,6 +114,7 @@ use self::{
     cache::{CacheConfig, Caches, Lookup},
     files::{FileState, Files, OpenAttr, Pending},
     pool::Pool,
+    rw::MapAtOpen,
     space::{dev_range_within, encode_maps},
 };
 use crate::data::{
@@ -1160,7 +1161,9 @@ impl Inner {
         let out = match r {
             Ok(o) => o,
             Err(e) => {
+                // It may have been applied (etcd did not answer): its extents with it.
                 self.caches.forget_attr(f.attr.ino.0);
+                self.caches.forget_blocks(f.attr.ino.0);
                 return Err(errno::meta(&e));
             }
         };

@@ -187,6 +187,8 @@ impl Inner {
     ) -> Result<Done, Errno> {
         let mut held = None;
         let mark = self.held.mark();
+        // A file this call creates has no extents: its map is known without a read.
+        let gen = self.caches.blocks_gen();
         let made = self.make_node(
             h,
             h.nodeid,
@@ -202,7 +204,7 @@ impl Inner {
         if let Some(ino) = created {
             self.held.adopt(ino, &mark);
         }
-        let (attr, rev) = match made {
+        let (attr, rev, map) = match made {
             Err(Errno::EEXIST) if flags & libc::O_EXCL as u32 == 0 => {
                 // Another creator won; behave as open(2) does.
                 let d = self.resolve_one(h.nodeid, name)?.ok_or(Errno::ENOENT)?;
@@ -212,14 +214,28 @@ impl Inner {
                     meta::cachelock::LockMode::Shared
                 };
                 held = self.hold_regular(d.ino.0, mode)?;
-                self.get_attr_at(d.ino.0)?
+                if mode == meta::cachelock::LockMode::Exclusive {
+                    let (attr, rev) = self.get_attr_at(d.ino.0)?;
+                    (attr, rev, None)
+                } else {
+                    let (attr, rev, map) = self.get_attr_and_map(d.ino.0)?;
+                    (attr, rev, Some(map))
+                }
             }
-            r => r?,
+            r => {
+                let (attr, rev) = r?;
+                let map = MapAtOpen {
+                    extents: Vec::new(),
+                    more: false,
+                    gen,
+                };
+                (attr, rev, Some(map))
+            }
         };
         if attr.kind == FileType::Directory {
             return Err(Errno::EISDIR);
         }
-        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone(), rev) {
+        let open = match self.open_with_attr(attr.ino.0, flags, false, attr.clone(), rev, map) {
             Ok(Done::Bytes(b)) => b,
             r => {
                 if let Some(ino) = created {

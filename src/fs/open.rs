@@ -15,7 +15,7 @@ impl Inner {
         // another node wrote before our open is seen).
         if dir {
             let attr = self.cached_attr(ino)?;
-            return self.open_with_attr(ino, flags, dir, attr, 0);
+            return self.open_with_attr(ino, flags, dir, attr, 0, None);
         }
         // A truncating open writes: it needs the lock exclusive.
         let mode = if truncates(flags) {
@@ -24,8 +24,32 @@ impl Inner {
             LockMode::Shared
         };
         let _held = self.hold_regular(ino, mode)?;
-        let (attr, rev) = self.get_attr_at(ino)?;
-        self.open_with_attr(ino, flags, dir, attr, rev)
+        if mode == LockMode::Exclusive {
+            // Its map is about to go.
+            let (attr, rev) = self.get_attr_at(ino)?;
+            return self.open_with_attr(ino, flags, dir, attr, rev, None);
+        }
+        let (attr, rev, map) = self.get_attr_and_map(ino)?;
+        self.open_with_attr(ino, flags, dir, attr, rev, Some(map))
+    }
+
+    /// A file's attributes and extent map, read at one revision for its open (the
+    /// attributes go to the caches as [`Inner::get_attr_at`]'s do).
+    pub(super) fn get_attr_and_map(&self, ino: u64) -> Result<(InodeAttr, i64, MapAtOpen), Errno> {
+        let gen = self.caches.blocks_gen();
+        let r = self
+            .meta
+            .get_inode_with_extents_at(Ino(ino), files::EXTENTS_CACHED_MAX)
+            .and_then(|t| t.wait())
+            .map_err(|e| errno::meta(&e))?;
+        let attr = r.attr.ok_or(Errno::ENOENT)?;
+        self.caches.fill_attr(&attr, r.revision.0);
+        let map = MapAtOpen {
+            extents: r.extents,
+            more: r.more,
+            gen,
+        };
+        Ok((attr, r.revision.0, map))
     }
 
     pub(super) fn open_with_attr(
@@ -35,6 +59,7 @@ impl Inner {
         dir: bool,
         attr: InodeAttr,
         rev: i64,
+        map: Option<MapAtOpen>,
     ) -> Result<Done, Errno> {
         if dir {
             if attr.kind != FileType::Directory {
@@ -77,6 +102,8 @@ impl Inner {
                     self.release_file(ino);
                     return Err(e);
                 }
+            } else if let Some(map) = map {
+                self.load_map_at_open(&st, map);
             }
             // The page cache is the cluster lock's: a node that gives the lock up drops
             // it first, so what is cached when a file is opened is current. (Opening

@@ -8,6 +8,26 @@
 
 use super::*;
 
+/// An open's read of its file's map (see [`Inner::load_map_at_open`]).
+pub(super) struct MapAtOpen {
+    pub(super) extents: Vec<meta::codec::Extent>,
+    pub(super) more: bool,
+    /// The blocks generation before the read was sent.
+    pub(super) gen: u64,
+}
+
+/// Caches the first `EXTENTS_CACHED_MAX` extents of a file's map: the whole map, or
+/// (`more`) its first window of a map too large to cache.
+fn install_map(f: &mut files::FileInner, list: &[meta::codec::Extent], more: bool) {
+    let list: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
+    if more {
+        f.map_too_big = true;
+        f.windows.insert(files::ExtentWindow::of(0, list, true));
+    } else {
+        f.extents = Some(list);
+    }
+}
+
 impl Inner {
     /// [`Inner::commit_locked`] for a `SetExtents` that points at `allocated` blocks
     /// (reserved by this node). The blocks are published as used in the maps of their
@@ -52,14 +72,7 @@ impl Inner {
                 .extents(Ino(ino), 0, files::EXTENTS_CACHED_MAX)
                 .and_then(|t| t.wait())
                 .map_err(|e| errno::meta(&e))?;
-            let list: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
-            if more {
-                // What was read is the first window of the map.
-                f.map_too_big = true;
-                f.windows.insert(files::ExtentWindow::of(0, list, true));
-            } else {
-                f.extents = Some(list);
-            }
+            install_map(f, &list, more);
         }
         if let Some(map) = &f.extents {
             return Ok(files::overlapping(map, off, len).to_vec());
@@ -80,6 +93,26 @@ impl Inner {
         let hit = files::overlapping(&v, off, len).to_vec();
         f.windows.insert(files::ExtentWindow::of(off, v, more));
         Ok(hit)
+    }
+
+    /// Gives a file opened here its extent map read with its attributes at open
+    /// (`map`, read after the blocks generation was `gen`), so that its reads need no
+    /// etcd later: a file held open and read only from the page cache while etcd was up
+    /// answered EIO at its first READ to the daemon once etcd became unreachable, its map
+    /// read lazily. The map is stale if any extent changed since `gen` (a write-behind
+    /// commit or truncate of this file by another open, here, between the read and this
+    /// call): then it is read again, under the file's lock. An error leaves the map to be
+    /// read by the first READ, as before.
+    pub(super) fn load_map_at_open(&self, st: &FileState, map: MapAtOpen) {
+        let mut f = st.lock();
+        if f.extents.is_some() || f.map_too_big || f.pending.is_some() {
+            return;
+        }
+        if self.caches.blocks_gen() == map.gen {
+            install_map(&mut f, &map.extents, map.more);
+        } else if let Err(e) = self.extents_for(&mut f, st.ino, 0, 0) {
+            log::debug!("reading the extents of inode {} at open: {e:?}", st.ino);
+        }
     }
 
     /// READ: a plan of device reads and zeros.

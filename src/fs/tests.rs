@@ -1394,6 +1394,47 @@ fn reads_use_the_cached_map_and_device_not_etcd() {
     assert!(fx.dev.stats().reads > before);
 }
 
+/// An open reads its file's map with the attributes (one etcd read): a file opened while
+/// etcd was up and read only from the page cache until it went away answered EIO at its
+/// first READ to the daemon, its map read lazily there.
+#[test]
+fn an_open_brings_its_files_map_so_reads_need_no_etcd() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(1, 3 * BLOCK_SIZE as usize));
+    fx.fsync(ino, fh);
+    fx.release(ino, fh);
+    let (ranges, txns) = (fx.kv.range_count(), fx.kv.txn_count());
+    let fh = fx.open(ino);
+    let open_reads = fx.kv.range_count() - ranges;
+    assert_eq!(
+        open_reads, 0,
+        "the open's read is one read-only transaction"
+    );
+    let (ranges, txns_after_open) = (fx.kv.range_count(), fx.kv.txn_count());
+    assert!(txns_after_open > txns, "the open read etcd");
+    for i in 0..3 {
+        assert_eq!(
+            fx.read(ino, fh, i * BLOCK_SIZE, BLOCK_SIZE as u32),
+            pattern(1, 3 * BLOCK_SIZE as usize)[(i * BLOCK_SIZE) as usize..][..BLOCK_SIZE as usize]
+        );
+    }
+    assert_eq!(
+        (fx.kv.range_count(), fx.kv.txn_count()),
+        (ranges, txns_after_open),
+        "READs after the open reached etcd"
+    );
+    fx.release(ino, fh);
+
+    // A new file's map is known empty: its first write reads no map.
+    let (ino, fh) = fx.create(ROOT, b"g");
+    let ranges = fx.kv.range_count();
+    fx.write(ino, fh, 0, &pattern(2, 100));
+    assert_eq!(fx.read(ino, fh, 0, 100), pattern(2, 100));
+    assert_eq!(fx.kv.range_count(), ranges, "a new file's map was read");
+    fx.release(ino, fh);
+}
+
 /// A map too large to cache (issue 12: 30,000 extents, 12–63 ms per 4 KiB READ, each going
 /// to etcd) is read a window at a time: a pass of small READs over it costs one etcd read
 /// per window, not one per READ, and a write drops the window.

@@ -797,6 +797,18 @@ impl MetaClient {
         })
     }
 
+    /// Reads an inode's attributes and the first `limit` extents of its map at one
+    /// revision.
+    pub fn get_inode_with_extents_at(
+        &self,
+        ino: Ino,
+        limit: usize,
+    ) -> Result<Ticket<reader::InodeWithExtents>, MetaError> {
+        self.read(move |kv, keys| {
+            Box::pin(async move { reader::inode_with_extents_at(&*kv, &keys, ino, limit).await })
+        })
+    }
+
     /// Looks up a name, with the store revision of the read.
     pub fn lookup_at(
         &self,

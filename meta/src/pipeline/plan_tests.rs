@@ -1431,3 +1431,34 @@ mod acls {
         assert_eq!(w.inode(ino).await.unwrap().perm, 0o600);
     }
 }
+
+#[tokio::test]
+async fn an_inode_and_its_extents_read_at_one_revision() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    for i in 0..3u64 {
+        w.add_extent(f, i * 8192, 4096, (1 << 20) + i * 4096).await;
+    }
+    let all = crate::reader::inode_with_extents_at(&w.kv, &w.keys, f, 10)
+        .await
+        .unwrap();
+    assert_eq!(all.attr.as_ref().map(|a| a.size), Some(2 * 8192 + 4096));
+    assert_eq!(all.extents, w.extents(f).await);
+    assert!(!all.more);
+    let (_, at) = crate::reader::get_inode_at(&w.kv, &w.keys, f)
+        .await
+        .unwrap();
+    assert_eq!(all.revision, at, "nothing changed between the two reads");
+
+    let first = crate::reader::inode_with_extents_at(&w.kv, &w.keys, f, 2)
+        .await
+        .unwrap();
+    assert_eq!(first.extents, all.extents[..2]);
+    assert!(first.more, "a third extent follows the window");
+
+    let absent = crate::reader::inode_with_extents_at(&w.kv, &w.keys, Ino(9_999), 10)
+        .await
+        .unwrap();
+    assert_eq!(absent.attr, None);
+    assert!(absent.extents.is_empty() && !absent.more);
+}
