@@ -82,11 +82,7 @@ pub(crate) type ReportFn = dyn Fn(Ask) -> String + Send + Sync;
 /// the answer follows, then the connection closes.
 pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<Socket> {
     std::fs::create_dir_all(RUN_DIR).with_context(|| format!("create {RUN_DIR}"))?;
-    let path = socket_path(mountpoint);
-    // A socket left by a daemon that died is stale: nobody can be serving this mountpoint,
-    // because mounting checked that it was not a mount point.
-    let _ = std::fs::remove_file(&path);
-    let listener = bind_owner_only(&path)?;
+    let (listener, socket) = publish(&socket_path(mountpoint))?;
     let owner = own_uid();
     std::thread::Builder::new()
         .name("etcfs-control".into())
@@ -96,8 +92,24 @@ pub(crate) fn serve(mountpoint: &Path, report: Arc<ReportFn>) -> Result<Socket> 
             }
         })
         .context("spawn control thread")?;
-    let id = socket_id(&path).with_context(|| format!("stat {}", path.display()))?;
-    Ok(Socket { path, id })
+    Ok(socket)
+}
+
+/// Binds the socket at `path`, replacing whatever was there.
+fn publish(path: &Path) -> Result<(UnixListener, Socket)> {
+    let _names = NamesLock::take(path)?;
+    // A socket left by a daemon that died is stale, and one whose daemon is still on its way
+    // out after an external umount serves a mount that is gone: nobody else can be serving
+    // this mountpoint, because mounting checked it was not a mount point.
+    let _ = std::fs::remove_file(path);
+    let (listener, id) = bind_owner_only(path)?;
+    Ok((
+        listener,
+        Socket {
+            path: path.to_owned(),
+            id,
+        },
+    ))
 }
 
 /// The control socket a daemon serves, known by its inode: a daemon that stops removes
@@ -111,11 +123,36 @@ pub(crate) struct Socket {
 }
 
 impl Socket {
-    /// Removes the socket if nobody replaced it.
+    /// Removes the socket if nobody replaced it. The check and the removal happen under
+    /// [`NamesLock`]: between the two, a new daemon's socket renamed into place used to be
+    /// removed in its stead, and the new daemon, finding no socket by its name, exited
+    /// (found by the remount test on CI).
     pub(crate) fn remove(self) {
+        let Ok(_names) = NamesLock::take(&self.path) else {
+            // Without the lock, leaving a stale socket is safe (the next daemon at this
+            // mountpoint removes it) and removing a live one is not.
+            return;
+        };
         if socket_id(&self.path).ok() == Some(self.id) {
             let _ = std::fs::remove_file(&self.path);
         }
+    }
+}
+
+/// An exclusive lock on the names in the directory of sockets (a flock of the directory),
+/// held by a daemon while it replaces or removes its socket, so another daemon at the same
+/// mountpoint never acts between one daemon's check of a name and its use of it. Both
+/// holders are brief, and the lock goes with the process.
+struct NamesLock(#[allow(dead_code)] std::fs::File);
+
+impl NamesLock {
+    /// Locks the directory holding the socket `path`.
+    fn take(path: &Path) -> Result<NamesLock> {
+        let dir = path.parent().unwrap_or(Path::new(RUN_DIR));
+        let file = std::fs::File::open(dir).with_context(|| format!("open {}", dir.display()))?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
+            .with_context(|| format!("lock {}", dir.display()))?;
+        Ok(NamesLock(file))
     }
 }
 
@@ -125,9 +162,11 @@ fn socket_id(path: &Path) -> std::io::Result<(u64, u64)> {
 
 /// A listening socket at `path` that is mode 0600 before anyone can reach it by that name:
 /// bound inside a fresh mode-0700 directory (bind would give it 0777 less the umask),
-/// chmodded, then renamed to `path`.
-fn bind_owner_only(path: &Path) -> Result<UnixListener> {
-    let dir = Path::new(RUN_DIR).join(format!(".bind-{}", std::process::id()));
+/// chmodded, then renamed to `path`. Also its identity, taken before the rename, where no
+/// one else can replace it.
+fn bind_owner_only(path: &Path) -> Result<(UnixListener, (u64, u64))> {
+    let parent = path.parent().unwrap_or(Path::new(RUN_DIR));
+    let dir = parent.join(format!(".bind-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::DirBuilder::new()
         .mode(0o700)
@@ -139,9 +178,10 @@ fn bind_owner_only(path: &Path) -> Result<UnixListener> {
             UnixListener::bind(&tmp).with_context(|| format!("bind {}", tmp.display()))?;
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
             .with_context(|| format!("chmod {}", tmp.display()))?;
+        let id = socket_id(&tmp).with_context(|| format!("stat {}", tmp.display()))?;
         std::fs::rename(&tmp, path)
             .with_context(|| format!("rename {} to {}", tmp.display(), path.display()))?;
-        Ok(listener)
+        Ok((listener, id))
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -245,6 +285,43 @@ mod tests {
         assert!(path.exists(), "the old daemon removed the new one's socket");
         new.remove();
         assert!(!path.exists());
+    }
+
+    /// A daemon leaving after an external umount removes its socket while its successor
+    /// at the same mountpoint publishes one: the successor's socket is there afterwards,
+    /// every time. Between the leaving daemon's check of the name and its removal, the
+    /// successor's rename used to land now and then (a remount test failed on CI). The race
+    /// needs the leaving daemon preempted in that window, so without the lock this test
+    /// catches it in about one run of three here, not every run.
+    #[test]
+    fn a_leaving_daemon_racing_its_successor_never_removes_its_socket() {
+        const ROUNDS: usize = 2000;
+        let dir = std::env::temp_dir().join(format!("etcfs-control-race-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join("m.sock");
+        let mut lost = 0;
+        let start = Arc::new(std::sync::Barrier::new(2));
+        for _ in 0..ROUNDS {
+            let (_old_listener, old) = publish(&path).unwrap();
+            let start_old = start.clone();
+            let leaving = std::thread::spawn(move || {
+                start_old.wait();
+                old.remove()
+            });
+            start.wait();
+            let (_new_listener, new) = publish(&path).unwrap();
+            leaving.join().unwrap();
+            if socket_id(&path).ok() != Some(new.id) {
+                lost += 1;
+            }
+            new.remove();
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            lost, 0,
+            "the successor's socket was removed {lost} times of {ROUNDS}"
+        );
     }
 
     #[test]
