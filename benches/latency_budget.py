@@ -26,6 +26,11 @@ import re
 import statistics
 import sys
 
+# The opcodes of a worker's device read: READ_FIXED since the workers register their
+# payload arena and the device with their rings (99d4d7e); while only READ was looked for,
+# no etcfs request was followed to the end.
+DEVICE_READ_OPS = ("READ", "READ_FIXED")
+
 # ftrace's text: "comm-pid [cpu] flags timestamp: event: fields"; syscall events print as
 # "sys_NAME(args)" and "sys_NAME -> ret".
 LINE = re.compile(r"^\s*(.*?)-(\d+)\s+\[(\d+)\]\s+(?:[^\s:]+\s+)?(\d+)(?:\.(\d+))?:\s+(.*)$")
@@ -270,7 +275,7 @@ def trace(kind, engine, tids_file, target, results, clock, m1, m2):
                 bd = w.first(bi[0], lambda e: e[1] == "block_rq_complete" and e[4]["sector"] == bi[4]["sector"], end[0])
                 if not bd:
                     miss("block_rq_complete"); continue
-                dsub = w.last(ret[0], bi[0], lambda e: e[1] == "io_uring_submit_req" and e[2] == wk and e[4]["op"] == "READ")
+                dsub = w.last(ret[0], bi[0], lambda e: e[1] == "io_uring_submit_req" and e[2] == wk and e[4]["op"] in DEVICE_READ_OPS)
                 if not dsub:
                     miss("device READ submit"); continue
                 dseen = w.first(bd[0], lambda e: e[1] == "io_uring_complete" and e[4]["req"] == dsub[4]["req"], end[0])
