@@ -148,12 +148,17 @@ struct NamesLock(#[allow(dead_code)] std::fs::File);
 impl NamesLock {
     /// Locks the directory holding the socket `path`.
     fn take(path: &Path) -> Result<NamesLock> {
-        let dir = path.parent().unwrap_or(Path::new(RUN_DIR));
+        let dir = socket_dir(path);
         let file = std::fs::File::open(dir).with_context(|| format!("open {}", dir.display()))?;
         rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
             .with_context(|| format!("lock {}", dir.display()))?;
         Ok(NamesLock(file))
     }
+}
+
+/// The directory holding the socket `path` ([`RUN_DIR`], but for tests).
+fn socket_dir(path: &Path) -> &Path {
+    path.parent().unwrap_or(Path::new(RUN_DIR))
 }
 
 fn socket_id(path: &Path) -> std::io::Result<(u64, u64)> {
@@ -165,8 +170,7 @@ fn socket_id(path: &Path) -> std::io::Result<(u64, u64)> {
 /// chmodded, then renamed to `path`. Also its identity, taken before the rename, where no
 /// one else can replace it.
 fn bind_owner_only(path: &Path) -> Result<(UnixListener, (u64, u64))> {
-    let parent = path.parent().unwrap_or(Path::new(RUN_DIR));
-    let dir = parent.join(format!(".bind-{}", std::process::id()));
+    let dir = socket_dir(path).join(format!(".bind-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::DirBuilder::new()
         .mode(0o700)

@@ -235,16 +235,21 @@ fn stats_json(mnt: &Path) -> serde_json::Value {
 }
 
 /// Polls `f` until it holds or [`VISIBLE_WITHIN`] passes; returns how long it took.
-fn within(what: &str, mut f: impl FnMut() -> bool) -> Duration {
+fn within(what: &str, f: impl FnMut() -> bool) -> Duration {
+    poll_until(VISIBLE_WITHIN, f)
+        .unwrap_or_else(|| panic!("{what}: not visible within {VISIBLE_WITHIN:?}"))
+}
+
+/// How long `f` took to hold, polled; `None` if it did not within `bound`.
+fn poll_until(bound: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
     let t0 = Instant::now();
     loop {
         if f() {
-            return t0.elapsed();
+            return Some(t0.elapsed());
         }
-        assert!(
-            t0.elapsed() < VISIBLE_WITHIN,
-            "{what}: not visible within {VISIBLE_WITHIN:?}"
-        );
+        if t0.elapsed() >= bound {
+            return None;
+        }
         thread::sleep(Duration::from_millis(2));
     }
 }
@@ -454,23 +459,14 @@ fn a_listing_kept_by_the_kernel_follows_name_changes_on_either_mount() {
         let stats = stats_json(m);
         op_count(&stats, "READDIR") + op_count(&stats, "READDIRPLUS")
     };
-    // Once the watch has brought B every event of A's creates, and A's coalesced update
-    // of the directory's times, a listing is the kernel's alone. Checked right after B's
-    // first full listing, a late event (or the times' commit) could still drop the
-    // kernel's copy, and the next listing then reached the daemon (a CI failure).
-    // A's closes go on committing (times, open records) for a second or more after its
-    // last create, so the wait is longer than the watch's bound (CI once waited 2 s).
-    let t0 = Instant::now();
-    let settled = loop {
+    // Once B has every event of A's creates and of what A's closes go on committing (the
+    // directory's times, open records) for a second or more, a listing is the kernel's
+    // alone. Checked right after B's first full listing, a late event could still drop
+    // the kernel's copy (CI failures, one for a whole 2 s wait), hence the longer bound.
+    let settled = poll_until(LISTING_SETTLES_WITHIN, || {
         let before = reads(&b);
-        if listing(&b) == want && reads(&b) == before {
-            break Some(t0.elapsed());
-        }
-        if t0.elapsed() > LISTING_SETTLES_WITHIN {
-            break None;
-        }
-        thread::sleep(Duration::from_millis(20));
-    };
+        listing(&b) == want && reads(&b) == before
+    });
     let t = settled.unwrap_or_else(|| {
         panic!(
             "every listing on B for {LISTING_SETTLES_WITHIN:?} reached the daemon: {}",
