@@ -1302,9 +1302,19 @@ impl Inner {
             return;
         }
         let left_out = self.invalidate_for_release(&e, ino);
+        // A WRITE let in to upgrade may still be taking the lock exclusive. Deleting our
+        // key beside its put could land after it in etcd: the write would then run as an
+        // exclusive holder whose key is gone, beside the asker's exclusive grant, and two
+        // nodes appended at one offset (tests/cluster.rs lost one O_APPEND record in CI).
+        // Its grant, once in, finds the release under way and waits for it to end.
+        let mut s = e.lock();
+        while s.acquiring {
+            s = e.wait(s);
+        }
         // Upgraded meanwhile by a WRITE the invalidation waited for: what it wrote goes to
         // etcd and the device before the lock goes.
-        let upgraded = held == LockMode::Shared && e.lock().held == Some(LockMode::Exclusive);
+        let upgraded = held == LockMode::Shared && s.held == Some(LockMode::Exclusive);
+        drop(s);
         if upgraded && !written_back() {
             return;
         }
@@ -1570,6 +1580,21 @@ impl Inner {
         s.inval = inval.into_iter().collect();
         drop(s);
         e.cv.notify_all();
+    }
+
+    /// Marks `ino`'s lock as being taken (`true`) by an operation, as [`Inner::hold`] does
+    /// while its etcd request is in flight, or that request as over (`false`).
+    #[cfg(test)]
+    pub(super) fn pretend_acquiring(&self, ino: u64, acquiring: bool) {
+        let e = self.locks.entry(ino);
+        e.lock().acquiring = acquiring;
+        e.cv.notify_all();
+    }
+
+    /// Whether `ino`'s lock is being given up now.
+    #[cfg(test)]
+    pub(super) fn lock_releasing(&self, ino: u64) -> bool {
+        self.locks.get(ino).is_some_and(|e| e.lock().releasing)
     }
 
     /// Gives back the locks over [`LOCKS_MAX`] (housekeeping).

@@ -2524,6 +2524,58 @@ pub(super) fn keys_of(fx: &Fx, from: &[u8], to: &[u8]) -> usize {
     fx.kv.dump(from, to).len()
 }
 
+/// A release deletes this node's lock key only once no operation is taking the lock: a
+/// WRITE let in to upgrade a shared lock being given up puts the key as exclusive, and a
+/// delete landing after that put in etcd left the write running as an exclusive holder
+/// with no key, beside the asker's exclusive grant (tests/cluster.rs: two nodes appended
+/// at one offset and one O_APPEND record was lost, in CI). Here the upgrade's request is
+/// held in flight while the release reaches the delete.
+#[test]
+fn a_release_never_deletes_its_key_beside_an_acquire_in_flight() {
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.write(ino, fh, 0, b"data");
+    a.fsync(ino, fh);
+    let keys = meta::keys::Keyspace::new("t").expect("prefix");
+    let key = keys.cache_lock(meta::types::Ino(ino), a.fs.inner().locks.me());
+    let end = [key.as_slice(), &[0]].concat();
+    assert_eq!(keys_of(&a, &key, &end), 1, "the create's lock is held");
+    let inner = a.fs.inner();
+    let user = inner
+        .locks
+        .try_hold(ino, meta::cachelock::LockMode::Shared)
+        .expect("a hold of the lock");
+    std::thread::scope(|s| {
+        let release = s.spawn(|| inner.give_up(ino));
+        // The release waits for our hold; the "upgrade" starts meanwhile.
+        let t0 = std::time::Instant::now();
+        while !inner.lock_releasing(ino) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the release started"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        inner.pretend_acquiring(ino, true);
+        drop(user);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!release.is_finished(), "the release waits for the acquire");
+        assert_eq!(
+            keys_of(&a, &key, &end),
+            1,
+            "the key stays while it is taken"
+        );
+        inner.pretend_acquiring(ino, false);
+        release.join().expect("the release");
+    });
+    assert_eq!(
+        keys_of(&a, &key, &end),
+        0,
+        "given up once the acquire is over"
+    );
+    assert!(!inner.lock_releasing(ino));
+}
+
 /// A write that arrives inside the pages this node invalidates while it gives up a
 /// shared lock upgrades the lock; when another node keeps its own shared lock (it waits
 /// for this one the same way), the write is answered EINTR after 2 s with nothing
