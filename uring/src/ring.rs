@@ -118,7 +118,9 @@ impl<S: EntryMarker> Ring<S> {
     /// CPU waits as task work until this thread enters the kernel; the `TASKRUN` flag says
     /// when there is some, and a zero-wait enter runs it.
     fn spin_for_completion(&mut self, budget: Duration) -> io::Result<bool> {
-        self.submit()?;
+        if self.pending() > 0 {
+            self.submit()?;
+        }
         let start = std::time::Instant::now();
         loop {
             if !self.ring.completion().is_empty() {

@@ -338,6 +338,13 @@ struct Worker<'a> {
     holds: Vec<Option<Hold>>,
     /// Device reads and writes submitted and not yet completed.
     device_ios: usize,
+    /// The entries in `EntryState::DeviceIo`, each once: what the wait plan looks at after
+    /// every batch, instead of every entry (a cold walk of them all sat between a READ's
+    /// device read being queued and its submission).
+    in_device: Vec<usize>,
+    /// Whether the batch being handled queued device I/O, which is then submitted at the
+    /// batch's end, before the worker's housekeeping and its wait plan.
+    device_queued: bool,
     /// The payload arena and the handler's stable descriptors, as registered with `ring`.
     fixed: uring::Registered,
     /// Large WRITEs taken from the kernel in the batch of completions being handled.
@@ -433,6 +440,8 @@ impl<'a> Worker<'a> {
             ring,
             devfd: shared.mount.fd(),
             device_ios: 0,
+            in_device: Vec::with_capacity(entries_max),
+            device_queued: false,
             fixed,
             large_writes_in_batch: 0,
             spin: SpinPolicy::new(shared.device_spin),
@@ -488,6 +497,12 @@ impl<'a> Worker<'a> {
                     let _ = w.ring.submit();
                 }
             }
+            if std::mem::take(&mut w.device_queued) && w.ring.pending() > 0 {
+                // The wait below would submit them too, but only after the channels, the
+                // peers and the wait plan; with device I/O in flight it spins or naps, which
+                // submits on its own, so this costs no extra system call.
+                let _ = w.ring.submit();
+            }
             while let Ok(c) = completions_rx.try_recv() {
                 w.deferred(c);
             }
@@ -499,10 +514,12 @@ impl<'a> Worker<'a> {
             }
             let plan = device_wait_plan(
                 &mut w.spin,
-                w.entries.iter().filter_map(|e| match e.state {
-                    EntryState::DeviceIo(_, ref io) => Some(io),
-                    _ => None,
-                }),
+                w.in_device
+                    .iter()
+                    .filter_map(|&idx| match w.entries[idx].state {
+                        EntryState::DeviceIo(_, ref io) => Some(io),
+                        _ => None,
+                    }),
             );
             let served_remote = std::mem::take(&mut w.served_remote);
             let waited = match linger_budget(plan, served_remote, shared.ring_linger) {
@@ -776,6 +793,7 @@ impl<'a> Worker<'a> {
                     // and the entry stays in `Reading` until every read completes.
                     let queued = unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok();
                     self.device_ios += usize::from(queued);
+                    self.device_queued |= queued;
                     progress.segment_queued(len, queued);
                 }
             }
@@ -804,6 +822,7 @@ impl<'a> Worker<'a> {
             // `DeviceIo`, its payload untouched, until every write completes.
             let queued = unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok();
             self.device_ios += usize::from(queued);
+            self.device_queued |= queued;
             progress.segment_queued(seg.len, queued);
         }
         self.holds[idx] = plan.hold;
@@ -825,6 +844,9 @@ impl<'a> Worker<'a> {
         }
         self.recorder
             .record_since(p.op, perf::Stage::DeviceIo, &p.started);
+        if let Some(at) = self.in_device.iter().position(|&i| i == idx) {
+            self.in_device.swap_remove(at);
+        }
         self.finish_io(idx, p, progress);
     }
 
@@ -834,6 +856,7 @@ impl<'a> Worker<'a> {
         progress.count(&self.recorder);
         if progress.in_flight() {
             self.entries[idx].state = EntryState::DeviceIo(p, progress);
+            self.in_device.push(idx);
         } else {
             self.finish_io(idx, p, progress);
         }
