@@ -32,11 +32,13 @@
 #            [--targets "raw uring uring-nospin devfuse probe probe-sync"] (uring-nospin: etcfs
 #            uring with --device-spin-us 0)
 #            [--etcd-port P] [--no-build] [--etcfs PATH] [--write-doc] [--results FILE]
-#            [--keep-traces DIR]
+#            [--keep-traces DIR] [--fio-cpu C]
 # --results keeps the raw per-round figures (KEY VALUE lines) in FILE; the report can be
 # made again from it with `TARGETS=... ENGINE=... ROUNDS=... FIO_SIZE=... FIO_SECS=...
 # TRACE_SECS=... python3 benches/latency_budget.py report FILE`. --keep-traces keeps each
 # traced run's trace text (with the server's thread ids and the clock marks) in DIR.
+# --fio-cpu pins fio to CPU C (`taskset -c C`), so that the device interrupt's CPU (see
+# /proc/interrupts) can be made the application's, or not.
 set -euo pipefail
 
 ROUNDS=3
@@ -51,6 +53,7 @@ ETCFS_ARG=""
 WRITE_DOC=0
 RESULTS_OUT=""
 KEEP_TRACES=""
+FIO_CPU=""
 ORIG_ARGS=("$@")
 while [ $# -gt 0 ]; do
 	case "$1" in
@@ -66,7 +69,8 @@ while [ $# -gt 0 ]; do
 	--write-doc) WRITE_DOC=1; shift ;;
 	--results) RESULTS_OUT=$2; shift 2 ;;
 	--keep-traces) KEEP_TRACES=$2; shift 2 ;;
-	-h | --help) sed -n '2,38p' "$0"; exit 0 ;;
+	--fio-cpu) FIO_CPU=$2; shift 2 ;;
+	-h | --help) sed -n '2,41p' "$0"; exit 0 ;;
 	*) echo "latency_budget.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
 	esac
 done
@@ -155,21 +159,7 @@ fi
 
 PROBE=""
 if [[ " $TARGETS " == *" probe"* ]]; then
-	[ -f "$PROBE_SRC" ] || die "probe source not found at $PROBE_SRC (set PROBE_SRC, or leave probe out of --targets)"
-	if [ ! -e /usr/include/liburing.h ]; then
-		log "installing liburing-dev (for the probe)"
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q liburing-dev >>"$WORK/apt.log" 2>&1 ||
-			{ apt-get update -q >>"$WORK/apt.log" 2>&1 &&
-				DEBIAN_FRONTEND=noninteractive apt-get install -y -q liburing-dev >>"$WORK/apt.log" 2>&1; } ||
-			die "cannot install liburing-dev (see $WORK/apt.log)"
-	fi
-	gcc -O2 -pthread "$PROBE_SRC" -o "$WORK/probe-sync" -luring >"$WORK/probe-build.log" 2>&1 ||
-		{ cat "$WORK/probe-build.log" >&2; die "the probe did not build"; }
-	want='uint64_t want = FUSE_INIT_EXT | FUSE_ASYNC_READ'
-	grep -q "$want" "$PROBE_SRC" || die "cannot find the probe's INIT flags ($want) to add FUSE_ASYNC_DIO"
-	sed "s/$want/& | FUSE_ASYNC_DIO/" "$PROBE_SRC" >"$WORK/probe-adio.c"
-	gcc -O2 -pthread "$WORK/probe-adio.c" -o "$WORK/probe" -luring >>"$WORK/probe-build.log" 2>&1 ||
-		{ cat "$WORK/probe-build.log" >&2; die "the probe with FUSE_ASYNC_DIO did not build"; }
+	build_probe "$PROBE_SRC" "$WORK"
 	PROBE=$WORK
 fi
 
@@ -307,6 +297,7 @@ file_of() { # TARGET
 run_fio() {
 	local target=$1 label=$2 secs=$3 out=$WORK/fio-$1-$2.json vals iops p50 mean
 	shift 3
+	[ -z "$FIO_CPU" ] || set -- taskset -c "$FIO_CPU" "$@"
 	"$@" fio --filename="$(file_of "$target")" --runtime="$secs" "${FIO_ARGS[@]}" \
 		--output="$out" >"$WORK/fio.log" 2>&1 || { cat "$WORK/fio.log" >&2; die "fio ($target, $label) failed"; }
 	vals=$(python3 "$PY" fio "$out")

@@ -74,3 +74,26 @@ need() { # COMMAND PACKAGE
 
 # median: the median of the numbers on stdin, one per line.
 median() { sort -n | awk '{a[NR] = $1} END {if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+
+# build_probe SRC DIR: builds the do-nothing FUSE server (shared/reference/probe-src/
+# fuse_uring_probe.c) twice into DIR: DIR/probe-sync as shipped, and DIR/probe asking for
+# FUSE_ASYNC_DIO as etcfs does (the kernel then sends an O_DIRECT read asynchronously and
+# completes it through the application's io_uring, as for etcfs). Installs liburing-dev
+# when missing. Uses the caller's log, die and WORK.
+build_probe() {
+	local src=$1 dir=$2 want='uint64_t want = FUSE_INIT_EXT | FUSE_ASYNC_READ'
+	[ -f "$src" ] || die "probe source not found at $src (set PROBE_SRC, or leave the probe out)"
+	if [ ! -e /usr/include/liburing.h ]; then
+		log "installing liburing-dev (for the probe)"
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q liburing-dev >>"$WORK/apt.log" 2>&1 ||
+			{ apt-get update -q >>"$WORK/apt.log" 2>&1 &&
+				DEBIAN_FRONTEND=noninteractive apt-get install -y -q liburing-dev >>"$WORK/apt.log" 2>&1; } ||
+			die "cannot install liburing-dev (see $WORK/apt.log)"
+	fi
+	gcc -O2 -pthread "$src" -o "$dir/probe-sync" -luring >"$dir/probe-build.log" 2>&1 ||
+		{ cat "$dir/probe-build.log" >&2; die "the probe did not build"; }
+	grep -q "$want" "$src" || die "cannot find the probe's INIT flags ($want) to add FUSE_ASYNC_DIO"
+	sed "s/$want/& | FUSE_ASYNC_DIO/" "$src" >"$dir/probe-adio.c"
+	gcc -O2 -pthread "$dir/probe-adio.c" -o "$dir/probe" -luring >>"$dir/probe-build.log" 2>&1 ||
+		{ cat "$dir/probe-build.log" >&2; die "the probe with FUSE_ASYNC_DIO did not build"; }
+}

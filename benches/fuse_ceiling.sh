@@ -1,0 +1,217 @@
+#!/usr/bin/env bash
+# What any FUSE server can reach on this machine, beside etcfs and the raw file (issue 17):
+# 4 KiB O_DIRECT random reads at several queue depths on
+#   raw    a file beside etcfs's device image (the device through ext4, no FUSE);
+#   probe  the do-nothing FUSE server over the ring (shared/reference/probe-src/
+#          fuse_uring_probe.c with FUSE_ASYNC_DIO, as etcfs negotiates, and as many ring
+#          entries per queue as the deepest depth), whose /big is served from memory: the
+#          kernel's FUSE round trip and nothing else;
+#   etcfs  `etcfs mount --transport uring` with its defaults, on a device image.
+# A FUSE server that reads the device pays, per request, at least the probe's round trip
+# on top of the raw read; so raw latency + probe latency bounds what etcfs can reach at
+# QD 1, and the probe's IOPS at a depth bounds it there (the device's work comes on top).
+#
+# Each round runs every target (order rotating between rounds) and, per target, fio at each
+# depth (`--rw=randread --bs=4k --direct=1 --ioengine=io_uring`, --fio-secs, 1 s ramp).
+# Prints per depth the medians over the rounds (min–max) of IOPS and clat p50, and of the
+# per-round ratios.
+#
+# Private etcd on loopback (a free random port pair), device image and raw file in /var/tmp;
+# everything started is stopped by pid and everything mounted unmounted on exit. Needs
+# root, /dev/fuse and FUSE over io_uring (6.14+); installs fio, etcd and liburing-dev with
+# apt-get if missing.
+#
+# usage: benches/fuse_ceiling.sh [--rounds R] [--fio-secs S] [--fio-size SIZE]
+#            [--depths "1 32"] [--etcfs PATH] [--targets "raw probe etcfs"]
+set -euo pipefail
+
+ROUNDS=5
+FIO_SECS=5
+FIO_SIZE=512M
+DEPTHS="1 32"
+TARGETS="raw probe etcfs"
+ETCFS_ARG=""
+while [ $# -gt 0 ]; do
+	case "$1" in
+	--rounds) ROUNDS=$2; shift 2 ;;
+	--fio-secs) FIO_SECS=$2; shift 2 ;;
+	--fio-size) FIO_SIZE=$2; shift 2 ;;
+	--depths) DEPTHS=$2; shift 2 ;;
+	--etcfs) ETCFS_ARG=$2; shift 2 ;;
+	--targets) TARGETS=$2; shift 2 ;;
+	-h | --help) sed -n '2,25p' "$0"; exit 0 ;;
+	*) echo "fuse_ceiling.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+	esac
+done
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=benches/lib.sh
+. "$ROOT/benches/lib.sh"
+PROBE_SRC=${PROBE_SRC:-$ROOT/../shared/reference/probe-src/fuse_uring_probe.c}
+ETCFS=${ETCFS_ARG:-${CARGO_TARGET_DIR:-$ROOT/target}/release/etcfs}
+URING_PARAM=/sys/module/fuse/parameters/enable_uring
+
+log() { echo "[fuse_ceiling.sh $(date +%H:%M:%S)] $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "needs root (FUSE mounts, $URING_PARAM)"
+[ -e /dev/fuse ] || die "needs /dev/fuse"
+[ -e "$URING_PARAM" ] || die "this kernel has no FUSE-over-io_uring ($URING_PARAM missing)"
+
+WORK=$(mktemp -d /tmp/etcfs-ceiling.XXXXXX)
+IMGDIR=$(mktemp -d /var/tmp/etcfs-ceiling.XXXXXX)
+MNT=$WORK/mnt
+pids=()       # mount_etcfs (lib.sh) appends the daemons it starts
+SERVER_PID="" # the server of the one mount that exists at a time
+ETCD_PID=""
+URING_WAS=""
+
+cleanup() {
+	local rc=$? pid
+	set +e
+	mountpoint -q "$MNT" 2>/dev/null && { umount "$MNT" 2>/dev/null || umount -l "$MNT"; }
+	for pid in "${pids[@]}" $SERVER_PID; do
+		for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+		kill "$pid" 2>/dev/null
+		wait "$pid" 2>/dev/null
+	done
+	[ -z "$ETCD_PID" ] || { kill "$ETCD_PID" 2>/dev/null; wait "$ETCD_PID" 2>/dev/null; }
+	[ -z "$URING_WAS" ] || [ "$URING_WAS" = Y ] || echo "$URING_WAS" >"$URING_PARAM"
+	rm -rf "$IMGDIR"
+	if mountpoint -q "$MNT" 2>/dev/null; then log "left $WORK: $MNT is still mounted"; else rm -rf "$WORK"; fi
+	exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+need fio fio
+URING_WAS=$(cat "$URING_PARAM")
+[ "$URING_WAS" = Y ] || echo Y >"$URING_PARAM" || die "cannot turn on $URING_PARAM"
+MAX_DEPTH=$(tr ' ' '\n' <<<"$DEPTHS" | sort -n | tail -1)
+
+if [[ " $TARGETS " == *" probe "* ]]; then
+	build_probe "$PROBE_SRC" "$WORK"
+fi
+if [[ " $TARGETS " == *" etcfs "* ]]; then
+	need etcd etcd-server
+	need etcdctl etcd-client
+	[ -x "$ETCFS" ] || die "no $ETCFS (build it, or give --etcfs)"
+	cp "$ETCFS" "$WORK/etcfs" # another build may replace it meanwhile
+	ETCFS=$WORK/etcfs
+	port=""
+	for _ in $(seq 100); do
+		p=$((20000 + RANDOM % 10000))
+		if ! ss -Htln "sport = :$p or sport = :$((p + 1))" | grep -q .; then port=$p; break; fi
+	done
+	[ -n "$port" ] || die "no free loopback port pair found"
+	ETCD_URL=http://127.0.0.1:$port
+	start_etcd ceiling "$WORK" "$port"
+	truncate -s $(($(numfmt --from=iec "$FIO_SIZE") * 2 + (2 << 30))) "$IMGDIR/device.img"
+	"$ETCFS" mkfs --etcd "$ETCD_URL" --device "$IMGDIR/device.img" --prefix ceiling >"$WORK/mkfs.log" 2>&1 ||
+		{ cat "$WORK/mkfs.log" >&2; die "etcfs mkfs failed"; }
+fi
+
+start() { # TARGET: mounts it (raw: nothing) and sets FILE
+	case $1 in
+	raw) FILE=$IMGDIR/raw.dat ;;
+	probe)
+		mkdir -p "$MNT"
+		"$WORK/probe" -d "$MAX_DEPTH" "$MNT" >"$WORK/probe.log" 2>&1 &
+		SERVER_PID=$!
+		for _ in $(seq 200); do
+			grep -q READY "$WORK/probe.log" 2>/dev/null && mountpoint -q "$MNT" && break
+			kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/probe.log" >&2; die "the probe exited"; }
+			sleep 0.05
+		done
+		mountpoint -q "$MNT" || die "the probe did not mount within 10 s; see $WORK/probe.log"
+		FILE=$MNT/big
+		;;
+	etcfs)
+		mount_etcfs "$ETCFS" "$ETCD_URL" "$IMGDIR/device.img" ceiling "$MNT" "$WORK/daemon.log" \
+			--transport uring || die "etcfs did not mount"
+		SERVER_PID=${pids[-1]}
+		pids=()
+		FILE=$MNT/fio.dat
+		;;
+	*) die "unknown target $1 (raw, probe, etcfs)" ;;
+	esac
+}
+
+stop() {
+	[ -n "$SERVER_PID" ] || return 0
+	umount "$MNT" || die "umount $MNT failed"
+	for _ in $(seq 100); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
+	kill -0 "$SERVER_PID" 2>/dev/null && die "server $SERVER_PID did not exit after umount"
+	wait "$SERVER_PID" 2>/dev/null || true
+	SERVER_PID=""
+}
+
+layout() { # FILE
+	fio --name=layout --filename="$1" --rw=write --bs=1m --iodepth=1 --direct=1 \
+		--ioengine=psync --size="$FIO_SIZE" >"$WORK/layout.log" 2>&1 ||
+		{ cat "$WORK/layout.log" >&2; die "laying out $1 failed"; }
+}
+
+if [[ " $TARGETS " == *" raw "* ]]; then
+	log "laying out $FIO_SIZE on the raw file"
+	layout "$IMGDIR/raw.dat"
+fi
+if [[ " $TARGETS " == *" etcfs "* ]]; then
+	log "laying out $FIO_SIZE in etcfs"
+	start etcfs
+	layout "$FILE"
+	stop
+fi
+
+RES=$WORK/results
+read -r -a TLIST <<<"$TARGETS"
+for round in $(seq "$ROUNDS"); do
+	n=${#TLIST[@]}
+	for k in $(seq 0 $((n - 1))); do
+		target=${TLIST[$(((k + round - 1) % n))]}
+		start "$target"
+		for depth in $DEPTHS; do
+			out=$WORK/fio.json
+			fio --name=randread --filename="$FILE" --rw=randread --bs=4k --iodepth="$depth" \
+				--direct=1 --ioengine=io_uring --numjobs=1 --size="$FIO_SIZE" --time_based \
+				--runtime="$FIO_SECS" --ramp_time=1 --norandommap --output-format=json \
+				--output="$out" >"$WORK/fio.log" 2>&1 || { cat "$WORK/fio.log" >&2; die "fio ($target, QD $depth) failed"; }
+			vals=$(python3 -c 'import json, sys
+j = json.load(open(sys.argv[1]))["jobs"][0]["read"]
+print(round(j["iops"]), round(j["clat_ns"]["percentile"]["50.000000"] / 1000, 1))' "$out")
+			log "round $round $target QD $depth: IOPS, clat p50 µs = $vals"
+			echo "$round $target $depth $vals" >>"$RES"
+		done
+		stop
+	done
+done
+
+python3 - "$RES" "$TARGETS" "$DEPTHS" <<'PY'
+import statistics, sys
+rows = [l.split() for l in open(sys.argv[1])]
+targets, depths = sys.argv[2].split(), sys.argv[3].split()
+R = {(r, t, d): (float(i), float(p)) for r, t, d, i, p in rows}
+rounds = sorted({k[0] for k in R}, key=int)
+def cell(v, digits=0):
+    v = sorted(v)
+    return f"{statistics.median(v):,.{digits}f} ({v[0]:,.{digits}f}–{v[-1]:,.{digits}f})".replace(",", " ")
+def series(t, d, m):
+    return [R[(r, t, d)][m] for r in rounds if (r, t, d) in R]
+names = {"raw": "raw file", "probe": "probe (memory)", "etcfs": "etcfs"}
+head = [f"{names[t]} IOPS" for t in targets] + [f"{names[t]} clat p50 µs" for t in targets]
+pairs = [(a, b) for a, b in (("probe", "raw"), ("etcfs", "raw"), ("etcfs", "probe")) if a in targets and b in targets]
+head += [f"{a} / {b} IOPS" for a, b in pairs]
+print("| QD | " + " | ".join(head) + " |")
+print("|---" * (len(head) + 1) + "|")
+for d in depths:
+    cells = [cell(series(t, d, 0)) for t in targets] + [cell(series(t, d, 1), 1) for t in targets]
+    for a, b in pairs:
+        cells.append(cell([x / y for x, y in zip(series(a, d, 0), series(b, d, 0))], 2))
+    print(f"| {d} | " + " | ".join(cells) + " |")
+if "raw" in targets and "probe" in targets:
+    print()
+    print("Bound on etcfs / raw at QD 1 from latencies (raw p50 / (raw p50 + probe p50)), per round: "
+          + cell([R[(r, "raw", "1")][1] / (R[(r, "raw", "1")][1] + R[(r, "probe", "1")][1])
+                  for r in rounds if (r, "raw", "1") in R and (r, "probe", "1") in R], 2))
+PY
