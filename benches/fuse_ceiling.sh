@@ -116,15 +116,7 @@ start() { # TARGET: mounts it (raw: nothing) and sets FILE
 	case $1 in
 	raw) FILE=$IMGDIR/raw.dat ;;
 	probe)
-		mkdir -p "$MNT"
-		"$WORK/probe" -d "$MAX_DEPTH" "$MNT" >"$WORK/probe.log" 2>&1 &
-		SERVER_PID=$!
-		for _ in $(seq 200); do
-			grep -q READY "$WORK/probe.log" 2>/dev/null && mountpoint -q "$MNT" && break
-			kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/probe.log" >&2; die "the probe exited"; }
-			sleep 0.05
-		done
-		mountpoint -q "$MNT" || die "the probe did not mount within 10 s; see $WORK/probe.log"
+		start_probe_server "$WORK/probe" -d "$MAX_DEPTH"
 		FILE=$MNT/big
 		;;
 	etcfs)
@@ -138,20 +130,7 @@ start() { # TARGET: mounts it (raw: nothing) and sets FILE
 	esac
 }
 
-stop() {
-	[ -n "$SERVER_PID" ] || return 0
-	umount "$MNT" || die "umount $MNT failed"
-	for _ in $(seq 100); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
-	kill -0 "$SERVER_PID" 2>/dev/null && die "server $SERVER_PID did not exit after umount"
-	wait "$SERVER_PID" 2>/dev/null || true
-	SERVER_PID=""
-}
-
-layout() { # FILE
-	fio --name=layout --filename="$1" --rw=write --bs=1m --iodepth=1 --direct=1 \
-		--ioengine=psync --size="$FIO_SIZE" >"$WORK/layout.log" 2>&1 ||
-		{ cat "$WORK/layout.log" >&2; die "laying out $1 failed"; }
-}
+stop() { [ -z "$SERVER_PID" ] || stop_server; }
 
 if [[ " $TARGETS " == *" raw "* ]]; then
 	log "laying out $FIO_SIZE on the raw file"

@@ -236,31 +236,7 @@ start_etcfs() {
 	[ "$served" = "\"transport\":\"$transport\"" ] || die "etcfs --transport $transport is served by ${served:-?}"
 }
 
-start_probe() { # probe | probe-sync
-	mkdir -p "$MNT"
-	"$PROBE/$1" "$MNT" >"$WORK/probe.log" 2>&1 &
-	SERVER_PID=$!
-	for _ in $(seq 200); do
-		grep -q READY "$WORK/probe.log" 2>/dev/null && mountpoint -q "$MNT" && return 0
-		kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/probe.log" >&2; die "the probe exited"; }
-		sleep 0.05
-	done
-	die "the probe did not mount within 10 s; see $WORK/probe.log"
-}
-
-stop_server() {
-	umount "$MNT" || die "umount $MNT failed"
-	for _ in $(seq 100); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
-	kill -0 "$SERVER_PID" 2>/dev/null && die "server $SERVER_PID did not exit after umount"
-	wait "$SERVER_PID" 2>/dev/null || log "server $SERVER_PID exited with $?"
-	SERVER_PID=""
-}
-
-layout() { # FILE
-	fio --name=layout --filename="$1" --rw=write --bs=1m --iodepth=1 --direct=1 \
-		--ioengine=psync --size="$FIO_SIZE" >"$WORK/layout.log" 2>&1 ||
-		{ cat "$WORK/layout.log" >&2; die "laying out $1 failed"; }
-}
+start_probe() { start_probe_server "$PROBE/$1"; } # probe | probe-sync
 
 if [[ " $TARGETS " == *" raw "* ]]; then
 	log "laying out $FIO_SIZE on the raw file"

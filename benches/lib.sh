@@ -97,3 +97,35 @@ build_probe() {
 	gcc -O2 -pthread "$dir/probe-adio.c" -o "$dir/probe" -luring >>"$dir/probe-build.log" 2>&1 ||
 		{ cat "$dir/probe-build.log" >&2; die "the probe with FUSE_ASYNC_DIO did not build"; }
 }
+
+# start_probe_server BINARY [OPTION...]: the probe mounted on the caller's MNT in the
+# background (SERVER_PID), returning once it says READY and MNT is mounted. Uses the
+# caller's die and WORK.
+start_probe_server() {
+	mkdir -p "$MNT"
+	"$@" "$MNT" >"$WORK/probe.log" 2>&1 &
+	SERVER_PID=$!
+	for _ in $(seq 200); do
+		grep -q READY "$WORK/probe.log" 2>/dev/null && mountpoint -q "$MNT" && return 0
+		kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/probe.log" >&2; die "the probe exited"; }
+		sleep 0.05
+	done
+	die "the probe did not mount within 10 s; see $WORK/probe.log"
+}
+
+# stop_server: unmounts the caller's MNT and waits for its server (SERVER_PID) to exit.
+stop_server() {
+	umount "$MNT" || die "umount $MNT failed"
+	for _ in $(seq 100); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
+	kill -0 "$SERVER_PID" 2>/dev/null && die "server $SERVER_PID did not exit after umount"
+	wait "$SERVER_PID" 2>/dev/null || log "server $SERVER_PID exited with $?"
+	SERVER_PID=""
+}
+
+# layout FILE: writes the caller's FIO_SIZE to FILE in one 1 MiB O_DIRECT pass, so that
+# random reads find every block written.
+layout() {
+	fio --name=layout --filename="$1" --rw=write --bs=1m --iodepth=1 --direct=1 \
+		--ioengine=psync --size="$FIO_SIZE" >"$WORK/layout.log" 2>&1 ||
+		{ cat "$WORK/layout.log" >&2; die "laying out $1 failed"; }
+}
