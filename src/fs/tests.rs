@@ -2576,6 +2576,54 @@ fn a_release_never_deletes_its_key_beside_an_acquire_in_flight() {
     assert!(!inner.lock_releasing(ino));
 }
 
+/// A hold let go wakes the release waiting for it, and only the release: the drop skips
+/// the wake-up system call when nobody waits (it cost a futex call per READ), so the
+/// release's waiting must be counted for the drop to see it.
+#[test]
+fn a_release_waiting_for_a_hold_wakes_when_the_hold_is_let_go() {
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.write(ino, fh, 0, b"data");
+    a.fsync(ino, fh);
+    let inner = a.fs.inner();
+    // A hold nobody waits for comes and goes with no release started.
+    drop(
+        inner
+            .locks
+            .try_hold(ino, meta::cachelock::LockMode::Shared)
+            .expect("a first hold"),
+    );
+    let user = inner
+        .locks
+        .try_hold(ino, meta::cachelock::LockMode::Shared)
+        .expect("a hold of the lock");
+    std::thread::scope(|s| {
+        let release = s.spawn(|| inner.give_up(ino));
+        let t0 = std::time::Instant::now();
+        while !inner.lock_releasing(ino) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the release started"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!release.is_finished(), "the release waits for the hold");
+        drop(user);
+        let t0 = std::time::Instant::now();
+        while !release.is_finished() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let woken = release.is_finished();
+        // A missed wake-up would leave the release asleep for good: wake it another way,
+        // so that the scope can end and the test fail rather than hang.
+        inner.pretend_acquiring(ino, false);
+        release.join().expect("the release");
+        assert!(woken, "the hold's drop woke the release");
+    });
+    assert!(!inner.lock_releasing(ino));
+}
+
 /// A write that arrives inside the pages this node invalidates while it gives up a
 /// shared lock upgrades the lock; when another node keeps its own shared lock (it waits
 /// for this one the same way), the write is answered EINTR after 2 s with nothing
