@@ -2541,21 +2541,11 @@ fn a_release_never_deletes_its_key_beside_an_acquire_in_flight() {
     let end = [key.as_slice(), &[0]].concat();
     assert_eq!(keys_of(&a, &key, &end), 1, "the create's lock is held");
     let inner = a.fs.inner();
-    let user = inner
-        .locks
-        .try_hold(ino, meta::cachelock::LockMode::Shared)
-        .expect("a hold of the lock");
+    let user = shared_hold(inner, ino);
     std::thread::scope(|s| {
         let release = s.spawn(|| inner.give_up(ino));
         // The release waits for our hold; the "upgrade" starts meanwhile.
-        let t0 = std::time::Instant::now();
-        while !inner.lock_releasing(ino) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "the release started"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until_releasing(inner, ino);
         inner.pretend_acquiring(ino, true);
         drop(user);
         std::thread::sleep(Duration::from_millis(300));
@@ -2576,7 +2566,27 @@ fn a_release_never_deletes_its_key_beside_an_acquire_in_flight() {
     assert!(!inner.lock_releasing(ino));
 }
 
-/// A hold let go wakes the release waiting for it, and only the release: the drop skips
+/// A shared hold of `ino`'s cache lock, which this node holds.
+fn shared_hold(inner: &super::Inner, ino: u64) -> crate::fs::locks::Hold {
+    inner
+        .locks
+        .try_hold(ino, meta::cachelock::LockMode::Shared)
+        .expect("a hold of the lock")
+}
+
+/// Returns once a release of `ino`'s lock has started (it then waits for the holds).
+fn wait_until_releasing(inner: &super::Inner, ino: u64) {
+    let t0 = std::time::Instant::now();
+    while !inner.lock_releasing(ino) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the release started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A hold let go wakes the release waiting for it: the drop skips
 /// the wake-up system call when nobody waits (it cost a futex call per READ), so the
 /// release's waiting must be counted for the drop to see it.
 #[test]
@@ -2586,27 +2596,10 @@ fn a_release_waiting_for_a_hold_wakes_when_the_hold_is_let_go() {
     a.write(ino, fh, 0, b"data");
     a.fsync(ino, fh);
     let inner = a.fs.inner();
-    // A hold nobody waits for comes and goes with no release started.
-    drop(
-        inner
-            .locks
-            .try_hold(ino, meta::cachelock::LockMode::Shared)
-            .expect("a first hold"),
-    );
-    let user = inner
-        .locks
-        .try_hold(ino, meta::cachelock::LockMode::Shared)
-        .expect("a hold of the lock");
+    let user = shared_hold(inner, ino);
     std::thread::scope(|s| {
         let release = s.spawn(|| inner.give_up(ino));
-        let t0 = std::time::Instant::now();
-        while !inner.lock_releasing(ino) {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "the release started"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until_releasing(inner, ino);
         std::thread::sleep(Duration::from_millis(50));
         assert!(!release.is_finished(), "the release waits for the hold");
         drop(user);
