@@ -50,6 +50,7 @@ use meta::{
 };
 
 use super::clock::ClockCache;
+use crate::data::plan::FileExtent;
 
 /// Cache limits. Every one is a bound with its unit in the name's doc.
 #[derive(Clone, Debug)]
@@ -83,6 +84,9 @@ pub(crate) const DIR_NAMES_CACHE_MAX: usize = 262_144;
     allow(dead_code, reason = "the CLI's default is the same number")
 )]
 pub(crate) const DIR_NAMES_MAX: usize = 4096;
+/// Extents held in the maps of files closed here ([`Caches::stash_closed_map`]), summed:
+/// 16 bytes each, 1 MiB in all.
+const CLOSED_MAP_EXTENTS_MAX: usize = 1 << 16;
 /// Inodes with times this node moved that etcd does not show yet (coalesced writes).
 pub(crate) const PENDING_TIMES_MAX: usize = 16384;
 /// Watch events remembered for installs that race with the watch.
@@ -294,12 +298,22 @@ pub(crate) struct MissCounters {
     /// that waited for one.
     pub listing_grants_ahead: AtomicU64,
     pub listing_grant_waits: AtomicU64,
+    /// Opens that took the map kept at the file's last close here instead of etcd's.
+    pub maps_kept_at_close: AtomicU64,
     /// Keys of ours deleted that this node did not know it held (late grants).
     pub cache_locks_strays: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The extent map a regular file had when it was last closed here, and the grant of its
+/// cluster lock (the revision it was granted at) under which that map was current.
+#[derive(Debug, Clone)]
+pub(crate) struct ClosedMap {
+    pub(crate) extents: Vec<FileExtent>,
+    pub(crate) granted_rev: i64,
 }
 
 /// The three caches and their coherence state.
@@ -319,6 +333,11 @@ pub(crate) struct Caches {
     /// Bumped by every drop of `blocks`: a sum computed from extents read before a drop
     /// is not installed.
     blocks_gen: AtomicU64,
+    /// Maps of files closed here, for their next open here under the same lock grant
+    /// (an open otherwise reads the map from etcd). Dropped with `blocks`, and the drop of
+    /// one inode's bumps `blocks_gen` under its shard's lock, so that a map captured
+    /// before a change is never stashed after it.
+    closed_maps: Sharded<u64, ClosedMap>,
     log: Mutex<Log>,
     /// The watch is running and caught up: answers and installs are allowed.
     live: AtomicBool,
@@ -346,6 +365,7 @@ impl Caches {
             times: Sharded::new(cfg.shards, PENDING_TIMES_MAX),
             blocks: Sharded::new(cfg.shards, cfg.inode_cache_max),
             blocks_gen: AtomicU64::new(0),
+            closed_maps: Sharded::new(cfg.shards, CLOSED_MAP_EXTENTS_MAX),
             log: Mutex::new(Log {
                 events: VecDeque::new(),
                 floor: None,
@@ -646,10 +666,42 @@ impl Caches {
         }
     }
 
-    /// An extent of `ino` changed (or may have): drop its block count.
+    /// An extent of `ino` changed (or may have): drop its block count and closed map.
     pub(crate) fn forget_blocks(&self, ino: u64) {
+        let mut closed = self.closed_maps.at(mix(ino));
+        closed.c.remove(&ino);
         self.blocks_gen.fetch_add(1, Ordering::AcqRel);
+        drop(closed);
         self.blocks.at(mix(ino)).c.remove(&ino);
+    }
+
+    /// Keeps the map of a file just closed here, captured after `gen` was taken (not
+    /// when any extent changed since, here or anywhere: the map may predate it).
+    pub(crate) fn stash_closed_map(&self, ino: u64, map: ClosedMap, gen: u64) {
+        let weight = map.extents.len().max(1);
+        let mut s = self.closed_maps.at(mix(ino));
+        if self.is_live() && self.blocks_gen.load(Ordering::Acquire) == gen {
+            s.c.insert(ino, map, weight);
+        }
+    }
+
+    /// Takes the map kept at `ino`'s last close here, if any.
+    pub(crate) fn take_closed_map(&self, ino: u64) -> Option<ClosedMap> {
+        if !self.is_live() {
+            return None;
+        }
+        self.closed_maps.at(mix(ino)).c.remove(&ino)
+    }
+
+    /// Cached attributes of `ino` with the revision they were read or committed at.
+    pub(crate) fn attr_at(&self, ino: u64) -> Option<(InodeAttr, i64)> {
+        if !self.is_live() {
+            return None;
+        }
+        let mut s = self.inodes.at(mix(ino));
+        let v = s.c.get(&ino).map(|v| (v.val.clone(), v.rev))?;
+        s.hits.attr += 1;
+        Some(v)
     }
 
     /// Drops an inode's cached attributes (a change whose result this node does not know).
@@ -731,6 +783,8 @@ impl Caches {
         });
         self.blocks_gen.fetch_add(1, Ordering::AcqRel);
         self.blocks.each(|s| s.c.clear());
+        // After the bump: a stash that checked the generation before it is cleared here.
+        self.closed_maps.each(|s| s.c.clear());
         self.dentries.each(|s| {
             named.extend(s.c.iter().map(|((parent, name), _)| Kernel::InvalEntry {
                 parent: *parent,
@@ -893,6 +947,7 @@ impl Caches {
         vec![
             ("cache_attr_hits".into(), hits.attr),
             ("cache_attr_misses".into(), l(&n.attr_misses)),
+            ("cache_maps_kept_at_close".into(), l(&n.maps_kept_at_close)),
             ("cache_dentry_hits".into(), hits.dentry),
             ("cache_dentry_misses".into(), l(&n.dentry_misses)),
             ("cache_negative_hits".into(), hits.negative),
@@ -966,6 +1021,40 @@ mod tests {
         let c = Caches::new(cfg(max));
         c.go_live(10);
         c
+    }
+
+    fn closed(granted_rev: i64) -> ClosedMap {
+        ClosedMap {
+            extents: Vec::new(),
+            granted_rev,
+        }
+    }
+
+    #[test]
+    fn a_closed_map_captured_before_any_extent_change_is_not_kept() {
+        let c = live(100);
+        let gen = c.blocks_gen();
+        c.forget_blocks(9);
+        c.stash_closed_map(7, closed(5), gen);
+        assert!(
+            c.take_closed_map(7).is_none(),
+            "another file's change since"
+        );
+
+        let gen = c.blocks_gen();
+        c.stash_closed_map(7, closed(5), gen);
+        c.forget_blocks(7);
+        assert!(c.take_closed_map(7).is_none(), "its own change after");
+
+        let gen = c.blocks_gen();
+        c.stash_closed_map(7, closed(5), gen);
+        assert_eq!(c.take_closed_map(7).map(|m| m.granted_rev), Some(5));
+        assert!(c.take_closed_map(7).is_none(), "taken once");
+
+        let gen = c.blocks_gen();
+        c.stash_closed_map(7, closed(5), gen);
+        let _ = c.drop_all_named();
+        assert!(c.take_closed_map(7).is_none(), "the watch stopped");
     }
 
     fn attr(ino: u64, size: u64) -> InodeAttr {

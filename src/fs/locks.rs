@@ -605,6 +605,15 @@ impl LockTable {
         s.held
     }
 
+    /// The revision `ino`'s lock was granted at, while it is held and not being given up
+    /// (`None` too when its state is busy: callers fall back to etcd). A lock given up
+    /// and taken again has a later one.
+    pub(crate) fn granted_rev(&self, ino: u64) -> Option<i64> {
+        let e = self.get(ino)?;
+        let s = e.st.try_lock().ok()?;
+        (!s.releasing && s.held.is_some() && s.granted_rev > 0).then_some(s.granted_rev)
+    }
+
     /// Since when this node holds `ino`'s lock (`None`: not held, or being given up).
     pub(crate) fn held_since(&self, ino: u64) -> Option<Instant> {
         let e = self.get(ino)?;

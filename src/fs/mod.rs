@@ -1149,14 +1149,23 @@ impl Inner {
         if let Mutation::SetAttr { ino, .. } = &m {
             self.caches.forget_times(ino.0);
         }
+        // Times, mode and owner leave the extents alone: the map kept at a close stays
+        // (an open+close loop committed each close's atime, which dropped it).
+        let extents = match &m {
+            Mutation::SetAttr { set, .. } => set.size.is_some(),
+            _ => true,
+        };
         let r = self.commit_op(m);
-        self.settle_locked(f, r)
+        self.settle_locked(f, r, extents)
     }
 
+    /// What every commit under a file's lock does after etcd answers; `extents`: the
+    /// mutation may have changed the file's extents.
     fn settle_locked(
         &self,
         f: &mut files::FileInner,
         r: Result<Outcome, MetaError>,
+        extents: bool,
     ) -> Result<Outcome, Errno> {
         let out = match r {
             Ok(o) => o,
@@ -1172,7 +1181,9 @@ impl Inner {
             self.caches.own_attr(a, out.revision.0);
         }
         // Writes, truncates, fallocate and punch change the extents: st_blocks with them.
-        self.caches.forget_blocks(f.attr.ino.0);
+        if extents {
+            self.caches.forget_blocks(f.attr.ino.0);
+        }
         f.windows.clear();
         Ok(out)
     }

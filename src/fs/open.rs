@@ -29,8 +29,65 @@ impl Inner {
             let (attr, rev) = self.get_attr_at(ino)?;
             return self.open_with_attr(ino, flags, dir, attr, rev, None);
         }
-        let (attr, rev, map) = self.get_attr_and_map(ino)?;
+        let (attr, rev, map) = self.attr_and_map_for_open(ino)?;
         self.open_with_attr(ino, flags, dir, attr, rev, Some(map))
+    }
+
+    /// What a non-truncating open of a regular file needs, its lock held: the map kept at
+    /// its last close here and its cached attributes when the lock has been held since
+    /// (nobody changed either without taking the lock from us first, and this node's own
+    /// changes drop the kept map), else both read from etcd.
+    pub(super) fn attr_and_map_for_open(
+        &self,
+        ino: u64,
+    ) -> Result<(InodeAttr, i64, MapAtOpen), Errno> {
+        let gen = self.caches.blocks_gen();
+        if let Some(granted) = self.locks.granted_rev(ino) {
+            let kept = self
+                .caches
+                .take_closed_map(ino)
+                .filter(|m| m.granted_rev == granted);
+            let attr = self
+                .caches
+                .attr_at(ino)
+                .filter(|(a, _)| a.kind == FileType::Regular);
+            if let (Some(kept), Some((attr, rev))) = (kept, attr) {
+                self.caches
+                    .n
+                    .maps_kept_at_close
+                    .fetch_add(1, Ordering::Relaxed);
+                let map = MapAtOpen {
+                    extents: kept.extents,
+                    more: false,
+                    gen,
+                };
+                return Ok((attr, rev, map));
+            }
+        }
+        self.get_attr_and_map(ino)
+    }
+
+    /// Keeps the map of a file closed here for its next open ([`Caches::stash_closed_map`]):
+    /// only when nothing changed any file's extents since `gen` was taken, before the file
+    /// left the open-file table (where every change reaches its map), under the grant it
+    /// was taken under.
+    fn keep_closed_map(&self, st: &FileState, gen: u64, granted: Option<i64>) {
+        let Some(granted_rev) = granted else { return };
+        let extents = {
+            let f = st.lock();
+            if f.pending.is_some() || f.orphaned {
+                return;
+            }
+            match &f.extents {
+                Some(e) => e.clone(),
+                None => return,
+            }
+        };
+        let map = cache::ClosedMap {
+            extents,
+            granted_rev,
+        };
+        self.caches.stash_closed_map(st.ino, map, gen);
     }
 
     /// A file's attributes and extent map, read at one revision for its open (the
@@ -45,7 +102,7 @@ impl Inner {
         let attr = r.attr.ok_or(Errno::ENOENT)?;
         self.caches.fill_attr(&attr, r.revision.0);
         let map = MapAtOpen {
-            extents: r.extents,
+            extents: r.extents.iter().map(FileExtent::from).collect(),
             more: r.more,
             gen,
         };
@@ -137,6 +194,9 @@ impl Inner {
                 log::warn!("committing pending writes of inode {ino} at release: {e}");
             }
         }
+        // Taken while the file is still in the table: see `keep_closed_map`.
+        let gen = self.caches.blocks_gen();
+        let granted = self.locks.granted_rev(ino);
         if let Some(st) = self.files.close(ino) {
             // The last close: nothing retries a change still pending after this.
             let mut f = st.lock();
@@ -164,6 +224,9 @@ impl Inner {
                 f.mtime_dirty = None;
                 f.atime_dirty = None;
             } else {
+                // Before the mtime's commit, which changes no extent (and so leaves the
+                // generation and the kept map alone).
+                self.keep_closed_map(&st, gen, granted);
                 self.persist_mtime(&st);
             }
             return orphan;

@@ -10,7 +10,7 @@ use super::*;
 
 /// An open's read of its file's map (see [`Inner::load_map_at_open`]).
 pub(super) struct MapAtOpen {
-    pub(super) extents: Vec<meta::codec::Extent>,
+    pub(super) extents: Vec<FileExtent>,
     pub(super) more: bool,
     /// The blocks generation before the read was sent.
     pub(super) gen: u64,
@@ -18,8 +18,7 @@ pub(super) struct MapAtOpen {
 
 /// Caches the first `EXTENTS_CACHED_MAX` extents of a file's map: the whole map, or
 /// (`more`) its first window of a map too large to cache.
-fn install_map(f: &mut files::FileInner, list: &[meta::codec::Extent], more: bool) {
-    let list: Vec<FileExtent> = list.iter().map(FileExtent::from).collect();
+fn install_map(f: &mut files::FileInner, list: Vec<FileExtent>, more: bool) {
     if more {
         f.map_too_big = true;
         f.windows.insert(files::ExtentWindow::of(0, list, true));
@@ -54,7 +53,7 @@ impl Inner {
             self.submit_op(m)
         };
         let r = ticket.and_then(|t| t.wait());
-        self.settle_locked(f, r)
+        self.settle_locked(f, r, true)
     }
 
     /// The extents overlapping `[off, off + len)`: from the cache, loading the whole map
@@ -72,7 +71,7 @@ impl Inner {
                 .extents(Ino(ino), 0, files::EXTENTS_CACHED_MAX)
                 .and_then(|t| t.wait())
                 .map_err(|e| errno::meta(&e))?;
-            install_map(f, &list, more);
+            install_map(f, list.iter().map(FileExtent::from).collect(), more);
         }
         if let Some(map) = &f.extents {
             return Ok(files::overlapping(map, off, len).to_vec());
@@ -109,7 +108,7 @@ impl Inner {
             return;
         }
         if self.caches.blocks_gen() == map.gen {
-            install_map(&mut f, &map.extents, map.more);
+            install_map(&mut f, map.extents, map.more);
         } else if let Err(e) = self.extents_for(&mut f, st.ino, 0, 0) {
             log::debug!("reading the extents of inode {} at open: {e:?}", st.ino);
         }
