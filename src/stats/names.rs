@@ -401,6 +401,12 @@ pub(crate) const DESCS: &[Desc] = &[
         "",
     ),
     counter(
+        "cache_maps_kept_at_close",
+        "etcfs_cache_maps_kept_at_close",
+        &[],
+        "Opens that took the extent map kept at the file's last close on this node (same lock grant) instead of reading etcd.",
+    ),
+    counter(
         "cache_attr_misses",
         "etcfs_cache_misses",
         &[("cache", "attr")],
