@@ -394,13 +394,7 @@ impl Caches {
 
     /// Cached attributes of `ino`.
     pub(crate) fn attr(&self, ino: u64) -> Option<InodeAttr> {
-        if !self.is_live() {
-            return None;
-        }
-        let mut s = self.inodes.at(mix(ino));
-        let v = s.c.get(&ino)?.val.clone();
-        s.hits.attr += 1;
-        Some(v)
+        self.attr_at(ino).map(|(a, _)| a)
     }
 
     /// What the caches know of `name` in `parent`.
