@@ -326,15 +326,19 @@ impl EtcFs {
                     r.map(|()| Done::Empty)
                 })
             }
-            Operation::Fsync { .. } => self.offload(ctx, out, move |i| i.fsync(ino, false)),
-            Operation::Fsyncdir { .. } => self.offload(ctx, out, move |i| i.fsync(ino, true)),
+            Operation::Fsync { datasync, .. } => {
+                self.offload(ctx, out, move |i| i.fsync(ino, false, datasync))
+            }
+            Operation::Fsyncdir { .. } => {
+                self.offload(ctx, out, move |i| i.fsync(ino, true, false))
+            }
             Operation::Syncfs => self.offload(ctx, out, move |i| {
                 let mut r = Ok(());
                 for f in i.files.all() {
                     r = r.and(i.sync_pending(f));
                     i.flush_mtime(f);
                 }
-                r.and(i.fsync(FUSE_ROOT_ID, false))
+                r.and(i.fsync(FUSE_ROOT_ID, false, false))
             }),
             Operation::Setxattr { name, value, flags } => {
                 let (name, value) = (name.to_vec(), value.to_vec());

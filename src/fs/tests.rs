@@ -300,6 +300,11 @@ pub(super) trait Requests {
         self.ok(ino, op);
     }
 
+    fn fdatasync(&mut self, ino: u64, fh: u64) {
+        let op = Operation::Fsync { fh, datasync: true };
+        self.ok(ino, op);
+    }
+
     fn fallocate(&mut self, ino: u64, fh: u64, offset: u64, length: u64) {
         let op = Operation::Fallocate {
             fh,
@@ -1392,6 +1397,47 @@ fn reads_use_the_cached_map_and_device_not_etcd() {
     fx.write(ino, fh, 0, &pattern(2, 4096));
     assert_eq!(fx.kv.txn_count(), txns);
     assert!(fx.dev.stats().reads > before);
+}
+
+/// fdatasync of in-place overwrites is the device's flush alone; their mtime, shown here at
+/// once, reaches etcd with the next fsync (or FLUSH, or the lock's handoff).
+#[test]
+fn fdatasync_of_overwrites_flushes_the_device_and_leaves_their_mtime_pending() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(1, 8192));
+    fx.fsync(ino, fh);
+    let stored = |fx: &Fx| {
+        let t = fx
+            .fs
+            .inner()
+            .meta
+            .get_inode_at(meta::types::Ino(ino))
+            .unwrap();
+        t.wait().unwrap().0.unwrap().mtime
+    };
+    let before = stored(&fx);
+    std::thread::sleep(Duration::from_millis(2));
+    fx.write(ino, fh, 0, &pattern(2, 4096));
+    let (txns, flushes) = (fx.kv.txn_count(), fx.dev.stats().flushes);
+    fx.fdatasync(ino, fh);
+    assert_eq!(
+        fx.kv.txn_count(),
+        txns,
+        "fdatasync of overwrites reached etcd"
+    );
+    assert!(
+        fx.dev.stats().flushes > flushes,
+        "fdatasync flushed no device"
+    );
+    let shown = fx.getattr(ino).attr;
+    let shown = meta::types::Timespec::new(shown.mtime as i64, shown.mtimensec);
+    assert!(shown > before, "the overwrite's mtime is not shown");
+    assert_eq!(stored(&fx), before);
+    fx.fsync(ino, fh);
+    assert_eq!(stored(&fx), shown, "fsync wrote another mtime");
+    assert_eq!(fx.read(ino, fh, 0, 8192)[..4096], pattern(2, 4096)[..]);
+    fx.release(ino, fh);
 }
 
 /// An open reads its file's map with the attributes (one etcd read): a file opened while
