@@ -129,6 +129,10 @@ pub enum MetaError {
         /// The group.
         group: u32,
     },
+    /// The inode changed after the revision a conditional change was computed at
+    /// ([`crate::pipeline::mutation::SetAttr::unchanged_since`]): nothing was written.
+    #[error("changed since the revision the change was computed at")]
+    Changed,
     /// The pipeline has shut down.
     #[error("pipeline closed")]
     Closed,

@@ -573,6 +573,7 @@ impl Handler for EtcFs {
             ("data_writes_on_core", &d.writes_on_core),
             ("data_writes_on_waiter", &d.writes_on_waiter),
             ("frees_unlogged", &d.frees_unlogged),
+            ("mtime_commits_relocked", &d.mtime_commits_relocked),
         ] {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }

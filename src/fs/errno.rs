@@ -58,6 +58,8 @@ pub(crate) fn meta(e: &MetaError) -> Errno {
             Errno::EIO
         }
         MetaError::Closed => Errno::EIO,
+        // Its callers retry under the file's lock; one that did not would have lost a race.
+        MetaError::Changed => Errno::EAGAIN,
         // Begun under a session whose lease may have ended: it must not count.
         MetaError::SessionLost => Errno::EIO,
         // The node fences itself over it (`Inner::watch_fence`).
@@ -135,6 +137,7 @@ mod tests {
             (MetaError::Unavailable("down".into()), Errno::EIO),
             (MetaError::Denied("no role".into()), Errno::EIO),
             (MetaError::Closed, Errno::EIO),
+            (MetaError::Changed, Errno::EAGAIN),
             (MetaError::EtcdFull("quota".into()), Errno::ENOSPC),
             (MetaError::QueueFull, Errno::EAGAIN),
             (MetaError::ReadOnly, Errno::EROFS),

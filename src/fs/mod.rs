@@ -614,6 +614,9 @@ struct DataCounters {
     /// Freed device ranges the freeing commit could not log as released records (a file
     /// too large for its map to be cached): a crash before their free-map write leaks them.
     frees_unlogged: AtomicU64,
+    /// Overwrite mtimes written again holding the file's lock: their commit without it
+    /// found the inode changed (`Inner::persist_mtime`).
+    mtime_commits_relocked: AtomicU64,
 }
 
 /// The device I/O of the waiters and the daemon's own threads (what goes through

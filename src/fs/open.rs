@@ -234,37 +234,73 @@ impl Inner {
         false
     }
 
-    /// Writes a pending in-place-overwrite mtime (and a read's atime), holding the file's lock across the commit
-    /// so that it is ordered with the file's writes and truncates (a FLUSH racing an
-    /// extending WRITE on another fd of the file).
+    /// Writes a pending in-place-overwrite mtime (and a read's atime). First without the
+    /// file's lock, on the condition that the inode is unchanged since the attributes the
+    /// times go with: READs and WRITEs of the file go on meanwhile (held across the commit,
+    /// the lock stopped them for an etcd round trip at every fsync and close of a file being
+    /// overwritten). The times stay pending, shown over the attributes, until the commit is
+    /// in, and are cleared then only if no newer ones came meanwhile. Anything that changed
+    /// the inode since (a truncate, an explicit utimes, an extending write's commit) fails
+    /// the condition, and the times are written again holding the lock, so that they are
+    /// ordered with those changes (a utimes clears them; a later write's commit wrote a
+    /// later mtime of its own).
     pub(super) fn persist_mtime(&self, st: &FileState) {
+        let (mtime, atime, rev) = {
+            let f = st.lock();
+            (f.mtime_dirty, f.atime_dirty, f.attr_rev)
+        };
+        if mtime.is_none() && atime.is_none() {
+            return;
+        }
+        // 0: the attributes are to be read again (a dropped pending change).
+        if rev > 0 {
+            self.caches.forget_times(st.ino);
+            match self.commit_op(times_mutation(st.ino, mtime, atime, Some(rev))) {
+                Err(MetaError::Changed) => {
+                    self.data_counters
+                        .mtime_commits_relocked
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                r => {
+                    let mut f = st.lock();
+                    let r = self.settle_locked(&mut f, r, false);
+                    if r.is_ok() {
+                        if f.mtime_dirty == mtime {
+                            f.mtime_dirty = None;
+                        }
+                        if f.atime_dirty == atime {
+                            f.atime_dirty = None;
+                        }
+                    }
+                    drop(f);
+                    self.times_committed(st.ino, r, atime.is_some());
+                    return;
+                }
+            }
+        }
         let mut f = st.lock();
         let (mtime, atime) = (f.mtime_dirty.take(), f.atime_dirty.take());
         if mtime.is_none() && atime.is_none() {
             return;
         }
-        let m = Mutation::SetAttr {
-            ino: Ino(st.ino),
-            set: SetAttr {
-                mtime: mtime.map(TimeSet::At),
-                atime: atime.map(TimeSet::At),
-                access: true,
-                ..SetAttr::default()
-            },
-        };
-        match self.commit_locked(&mut f, m) {
+        let r = self.commit_locked(&mut f, times_mutation(st.ino, mtime, atime, None));
+        drop(f);
+        self.times_committed(st.ino, r, atime.is_some());
+    }
+
+    fn times_committed(&self, ino: u64, r: Result<Outcome, Errno>, atime: bool) {
+        match r {
             Ok(out) => {
-                drop(f);
                 self.after_commit_unlocked(&out);
-                if atime.is_some() {
+                if atime {
                     // Written at close, after the READ that moved it was answered: the
                     // kernel's cached attributes still show the old atime (a stat right
                     // after the close saw it, found by tests/permissions.rs in CI).
-                    self.drop_kernel_attrs(st.ino);
+                    self.drop_kernel_attrs(ino);
                 }
             }
             Err(Errno::ENOENT) => {}
-            Err(e) => log::warn!("writing mtime of inode {}: {e}", st.ino),
+            Err(e) => log::warn!("writing mtime of inode {ino}: {e}"),
         }
     }
 
@@ -301,5 +337,25 @@ impl Inner {
         let t = self.meta.flush(None).map_err(|e| errno::meta(&e))?;
         t.wait().map_err(|e| errno::meta(&e))?;
         Ok(Done::Empty)
+    }
+}
+
+/// The commit of a file's pending overwrite mtime and access time; `unchanged_since`: see
+/// [`SetAttr::unchanged_since`].
+fn times_mutation(
+    ino: u64,
+    mtime: Option<Timespec>,
+    atime: Option<Timespec>,
+    unchanged_since: Option<i64>,
+) -> Mutation {
+    Mutation::SetAttr {
+        ino: Ino(ino),
+        set: SetAttr {
+            mtime: mtime.map(TimeSet::At),
+            atime: atime.map(TimeSet::At),
+            access: true,
+            unchanged_since,
+            ..SetAttr::default()
+        },
     }
 }

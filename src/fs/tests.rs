@@ -1440,6 +1440,53 @@ fn fdatasync_of_overwrites_flushes_the_device_and_leaves_their_mtime_pending() {
     fx.release(ino, fh);
 }
 
+/// The mtime of overwrites commits without the file's lock on the condition that the
+/// inode is unchanged since the attributes it goes with; a change that landed meanwhile
+/// (here one made behind the file state's back, as one landing during that commit would
+/// be) sends it through the file's lock again, after that change.
+#[test]
+fn an_overwrite_mtime_commits_without_the_lock_unless_the_inode_changed() {
+    use meta::{
+        pipeline::{Mutation, SetAttr},
+        types::Ino,
+    };
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(1, 8192));
+    fx.fsync(ino, fh);
+    let stored = |fx: &Fx| {
+        let t = fx.fs.inner().meta.get_inode_at(Ino(ino)).unwrap();
+        t.wait().unwrap().0.unwrap()
+    };
+    let shown_mtime = |fx: &mut Fx| {
+        let a = fx.getattr(ino).attr;
+        meta::types::Timespec::new(a.mtime as i64, a.mtimensec)
+    };
+    std::thread::sleep(Duration::from_millis(2));
+    fx.write(ino, fh, 0, &pattern(2, 4096));
+    let shown = shown_mtime(&mut fx);
+    fx.fsync(ino, fh);
+    assert_eq!(stored(&fx).mtime, shown);
+    assert_eq!(counter(&fx, "mtime_commits_relocked"), 0);
+
+    std::thread::sleep(Duration::from_millis(2));
+    fx.write(ino, fh, 0, &pattern(3, 4096));
+    let shown = shown_mtime(&mut fx);
+    let chmod = Mutation::SetAttr {
+        ino: Ino(ino),
+        set: SetAttr {
+            perm: Some(0o600),
+            ..SetAttr::default()
+        },
+    };
+    fx.fs.inner().commit_op(chmod).unwrap();
+    fx.fsync(ino, fh);
+    assert_eq!(counter(&fx, "mtime_commits_relocked"), 1);
+    let a = stored(&fx);
+    assert_eq!((a.mtime, a.perm), (shown, 0o600));
+    fx.release(ino, fh);
+}
+
 /// An open reads its file's map with the attributes (one etcd read): a file opened while
 /// etcd was up and read only from the page cache until it went away answered EIO at its
 /// first READ to the daemon, its map read lazily there.

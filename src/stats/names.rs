@@ -252,6 +252,13 @@ pub(crate) const DESCS: &[Desc] = &[
         "Freed device ranges the freeing commit could not log (a crash before their free-map \
          write leaks them until fsck).",
     ),
+    counter(
+        "mtime_commits_relocked",
+        "etcfs_mtime_commits_relocked",
+        &[],
+        "Overwrite mtimes committed again under the file's lock because the inode changed \
+         during their commit without it.",
+    ),
     // etcd.
     counter(
         "etcd_txns_committed",

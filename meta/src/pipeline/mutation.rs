@@ -94,6 +94,11 @@ pub struct SetAttr {
     /// `atime` is a read's access time (relatime): it only moves forward, and on its own
     /// it leaves ctime alone, as a read does on ext4.
     pub access: bool,
+    /// Commit only if the inode is unchanged since this revision, else fail with
+    /// [`MetaError::Changed`](crate::error::MetaError::Changed): for a change computed
+    /// from attributes read at that revision without the file's lock held across the
+    /// commit (the mtime of in-place overwrites), which must not undo a later one.
+    pub unchanged_since: Option<i64>,
 }
 
 /// xattr set semantics.

@@ -1163,6 +1163,9 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
     let k = p.keys();
     let now = p.ctx.now;
     let (mut a, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    if set.unchanged_since.is_some_and(|since| rev > since) {
+        return Err(Stop::Fail(MetaError::Changed));
+    }
     p.compare(Compare::mod_rev(k.inode(ino), rev));
     if let Some(perm) = set.perm {
         if perm > 0o7777 {

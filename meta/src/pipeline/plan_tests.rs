@@ -611,6 +611,37 @@ async fn rename_conflict_is_caught_by_compares() {
     assert!(w.apply(&p.unwrap()).await.is_err());
 }
 
+/// A change computed at a revision (the mtime of overwrites, committed without the file's
+/// lock) is refused once anything changed the inode after it, so that it cannot undo a
+/// later explicit one; against the revision of the latest change it commits.
+#[tokio::test]
+async fn a_setattr_unchanged_since_a_revision_is_refused_after_a_later_change() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let mtime = |sec: i64, since: Option<i64>| Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            mtime: Some(TimeSet::At(Timespec::new(sec, 0))),
+            unchanged_since: since,
+            ..Default::default()
+        },
+    };
+    async fn inode_rev(w: &World, f: Ino) -> i64 {
+        let r = w.kv.range(RangeRequest::key(w.keys.inode(f))).await;
+        r.unwrap().kvs[0].mod_revision
+    }
+    w.run(mtime(20, None)).await.unwrap();
+    let first = inode_rev(&w, f).await;
+    w.run(mtime(5, None)).await.unwrap();
+    let explicit = inode_rev(&w, f).await;
+    assert!(explicit > first);
+    let stale = w.run(mtime(30, Some(first))).await;
+    assert_eq!(stale.unwrap_err(), MetaError::Changed);
+    assert_eq!(w.inode(f).await.unwrap().mtime, Timespec::new(5, 0));
+    let o = w.run(mtime(40, Some(explicit))).await.unwrap();
+    assert_eq!(o.attr.unwrap().mtime, Timespec::new(40, 0));
+}
+
 #[tokio::test]
 async fn setattr_and_truncate() {
     let mut w = World::new().await;
