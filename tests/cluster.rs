@@ -86,6 +86,19 @@ fn writes_are_seen_by_the_other_node_without_close_or_fsync() {
         );
     }
 
+    // An overwrite made durable with fdatasync, which leaves its mtime pending: B sees
+    // it, brought by the lock.
+    std::thread::sleep(std::time::Duration::from_millis(10));
+    fa.write_all_at(b"over", 8192).expect("overwrite on A");
+    fa.sync_data().expect("fdatasync on A");
+    let mb = fs::metadata(&pb).expect("stat on B");
+    let ma = fa.metadata().expect("fstat on A");
+    assert_eq!(
+        (mb.mtime(), mb.mtime_nsec()),
+        (ma.mtime(), ma.mtime_nsec()),
+        "B sees the mtime of A's fdatasync'd overwrite"
+    );
+
     // Sizes and times: an extending write, a truncate, a fallocate.
     fa.write_all_at(b"tail", (1 << 20) + 100)
         .expect("extend on A");

@@ -1677,6 +1677,48 @@ fn lseek_data_and_hole() {
     );
 }
 
+/// An in-place overwrite's mtime: shown at once, left pending by fdatasync and written by
+/// the close (a remount sees it); a time set on the open file after an overwrite stays
+/// after its close (`cp -p` sets the times before it closes), which the close's commit
+/// of the overwrite's mtime must not undo.
+#[test]
+fn overwrite_mtime_through_fdatasync_close_and_futimens() {
+    let Some(fs) = TestFs::new_or_skip("overwrite_mtime", None) else {
+        return;
+    };
+    let m = fs.mount("auto", &[]);
+    let (f, g) = (m.path("f"), m.path("g"));
+    fs::write(&f, pattern(3 * 4096, 1)).expect("create f");
+    fs::write(&g, pattern(2 * 4096, 2)).expect("create g");
+    let m0 = mtime_ns(&f);
+    std::thread::sleep(Duration::from_millis(20));
+    let h = OpenOptions::new().write(true).open(&f).expect("open f");
+    h.write_all_at(b"over", 4096).expect("overwrite f");
+    h.sync_data().expect("fdatasync");
+    let m1 = mtime_ns(&f);
+    assert!(
+        m1 > m0,
+        "the overwrite's mtime is not shown: {m1:?} after {m0:?}"
+    );
+    drop(h);
+    assert_eq!(mtime_ns(&f), m1, "the close moved the overwrite's mtime");
+    let h = OpenOptions::new().write(true).open(&g).expect("open g");
+    h.write_all_at(b"again", 0).expect("overwrite g");
+    let t = UNIX_EPOCH + Duration::new(1_500_000_000, 5);
+    h.set_times(FileTimes::new().set_modified(t))
+        .expect("futimens");
+    drop(h);
+    assert_eq!(mtime_ns(&g), (1_500_000_000, 5), "the close undid futimens");
+    m.stop();
+    let m = fs.mount("auto", &[]);
+    assert_eq!(mtime_ns(&m.path("f")), m1, "f's mtime after a remount");
+    assert_eq!(
+        mtime_ns(&m.path("g")),
+        (1_500_000_000, 5),
+        "g's mtime after a remount"
+    );
+}
+
 #[test]
 fn fsync_and_fdatasync() {
     setup!(fs, m, "fsync_and_fdatasync");
