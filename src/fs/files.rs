@@ -190,6 +190,19 @@ impl FileInner {
         true
     }
 
+    /// Records an in-place overwrite's mtime from the kernel's coarse clock, the one ext4's
+    /// own timestamps come from: overwrites within one clock tick (4 ms here) of each other
+    /// or of the mtime the attributes show change nothing, so a loop of overwrite + fsync
+    /// commits the mtime to etcd once a tick, not at every fsync. Never earlier than the
+    /// mtime shown (a commit's fine-grained one may be ahead of the coarse clock).
+    pub(crate) fn touch_overwrite(&mut self) {
+        let now = coarse_wall();
+        let shown = self.mtime_dirty.unwrap_or(self.attr.mtime);
+        if now > shown {
+            self.mtime_dirty = Some(now);
+        }
+    }
+
     /// Drops the cached map unless pending writes live in it (see [`Files::forget_extents`]).
     pub(crate) fn forget_extents(&mut self) {
         self.windows.clear();
@@ -618,6 +631,12 @@ pub(crate) fn replace_range(map: &mut Vec<FileExtent>, off: u64, len: u64, new: 
     out.extend_from_slice(new);
     out.sort_by_key(|e| e.file_off);
     *map = out;
+}
+
+/// The wall clock at the kernel's tick (`CLOCK_REALTIME_COARSE`).
+fn coarse_wall() -> Timespec {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::RealtimeCoarse);
+    Timespec::new(t.tv_sec, t.tv_nsec as u32)
 }
 
 #[cfg(test)]

@@ -1587,7 +1587,7 @@ fn plan_overwrite(
         return None;
     }
     let segments = overwrite_segments(f.extents.as_ref()?, f.attr.size, off, len, fd)?;
-    f.mtime_dirty = Some(SystemClock::new().wall());
+    f.touch_overwrite();
     Some((segments, st.begin_io(f)))
 }
 

@@ -360,7 +360,7 @@ impl Inner {
         if !needs_commit {
             // An overwrite of written blocks inside EOF: no metadata changes but mtime,
             // written at FLUSH/FSYNC/RELEASE. No etcd round trip.
-            f.mtime_dirty = Some(now);
+            f.touch_overwrite();
             if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
                 drop(f);
                 self.kill_suid(ino)?;

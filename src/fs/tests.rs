@@ -1417,7 +1417,7 @@ fn fdatasync_of_overwrites_flushes_the_device_and_leaves_their_mtime_pending() {
         t.wait().unwrap().0.unwrap().mtime
     };
     let before = stored(&fx);
-    std::thread::sleep(Duration::from_millis(2));
+    std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 0, &pattern(2, 4096));
     let (txns, flushes) = (fx.kv.txn_count(), fx.dev.stats().flushes);
     fx.fdatasync(ino, fh);
@@ -1437,6 +1437,44 @@ fn fdatasync_of_overwrites_flushes_the_device_and_leaves_their_mtime_pending() {
     fx.fsync(ino, fh);
     assert_eq!(stored(&fx), shown, "fsync wrote another mtime");
     assert_eq!(fx.read(ino, fh, 0, 8192)[..4096], pattern(2, 4096)[..]);
+    fx.release(ino, fh);
+}
+
+/// Overwrites take their mtime from the kernel's coarse clock: a loop of overwrite +
+/// fsync commits it to etcd once per clock tick (a tick is 4 ms here), not once per fsync
+/// (790 fsyncs/s, each an etcd commit); the mtime shown never goes back, and one a tick
+/// later is shown and committed.
+#[test]
+fn overwrite_and_fsync_loops_commit_the_mtime_once_per_clock_tick() {
+    let mut fx = Fx::new();
+    let (ino, fh) = fx.create(ROOT, b"f");
+    fx.write(ino, fh, 0, &pattern(1, 8192));
+    fx.fsync(ino, fh);
+    let mtime = |fx: &mut Fx| {
+        let a = fx.getattr(ino).attr;
+        meta::types::Timespec::new(a.mtime as i64, a.mtimensec)
+    };
+    let txns = fx.kv.txn_count();
+    let mut last = mtime(&mut fx);
+    for i in 0..200u8 {
+        fx.write(ino, fh, 4096, &pattern(i, 4096));
+        fx.fsync(ino, fh);
+        let now = mtime(&mut fx);
+        assert!(now >= last, "the mtime went back");
+        last = now;
+    }
+    let commits = fx.kv.txn_count() - txns;
+    // 200 overwrites and fsyncs take well under a second here, at 250 ticks a second.
+    assert!(commits < 100, "{commits} commits for 200 fsyncs");
+    std::thread::sleep(Duration::from_millis(10));
+    fx.write(ino, fh, 4096, &pattern(9, 4096));
+    assert!(
+        mtime(&mut fx) > last,
+        "an overwrite a tick later left the mtime"
+    );
+    let txns = fx.kv.txn_count();
+    fx.fsync(ino, fh);
+    assert!(fx.kv.txn_count() > txns, "its fsync committed no mtime");
     fx.release(ino, fh);
 }
 
@@ -1462,14 +1500,14 @@ fn an_overwrite_mtime_commits_without_the_lock_unless_the_inode_changed() {
         let a = fx.getattr(ino).attr;
         meta::types::Timespec::new(a.mtime as i64, a.mtimensec)
     };
-    std::thread::sleep(Duration::from_millis(2));
+    std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 0, &pattern(2, 4096));
     let shown = shown_mtime(&mut fx);
     fx.fsync(ino, fh);
     assert_eq!(stored(&fx).mtime, shown);
     assert_eq!(counter(&fx, "mtime_commits_relocked"), 0);
 
-    std::thread::sleep(Duration::from_millis(2));
+    std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 0, &pattern(3, 4096));
     let shown = shown_mtime(&mut fx);
     let chmod = Mutation::SetAttr {
