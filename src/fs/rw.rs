@@ -356,7 +356,6 @@ impl Inner {
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
-        let now = SystemClock::new().wall();
         if !needs_commit {
             // An overwrite of written blocks inside EOF: no metadata changes but mtime,
             // written at FLUSH/FSYNC/RELEASE. No etcd round trip.
@@ -367,6 +366,7 @@ impl Inner {
             }
             return reply_write(len);
         }
+        let now = SystemClock::new().wall();
         let merged = merge_extents(&new_map);
         if f.extents.is_some() {
             // Write-behind: the map and attributes here show the write now; etcd gets it

@@ -1407,16 +1407,7 @@ fn fdatasync_of_overwrites_flushes_the_device_and_leaves_their_mtime_pending() {
     let (ino, fh) = fx.create(ROOT, b"f");
     fx.write(ino, fh, 0, &pattern(1, 8192));
     fx.fsync(ino, fh);
-    let stored = |fx: &Fx| {
-        let t = fx
-            .fs
-            .inner()
-            .meta
-            .get_inode_at(meta::types::Ino(ino))
-            .unwrap();
-        t.wait().unwrap().0.unwrap().mtime
-    };
-    let before = stored(&fx);
+    let before = committed_attr(&fx, ino).mtime;
     std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 0, &pattern(2, 4096));
     let (txns, flushes) = (fx.kv.txn_count(), fx.dev.stats().flushes);
@@ -1430,12 +1421,15 @@ fn fdatasync_of_overwrites_flushes_the_device_and_leaves_their_mtime_pending() {
         fx.dev.stats().flushes > flushes,
         "fdatasync flushed no device"
     );
-    let shown = fx.getattr(ino).attr;
-    let shown = meta::types::Timespec::new(shown.mtime as i64, shown.mtimensec);
+    let shown = shown_mtime(&mut fx, ino);
     assert!(shown > before, "the overwrite's mtime is not shown");
-    assert_eq!(stored(&fx), before);
+    assert_eq!(committed_attr(&fx, ino).mtime, before);
     fx.fsync(ino, fh);
-    assert_eq!(stored(&fx), shown, "fsync wrote another mtime");
+    assert_eq!(
+        committed_attr(&fx, ino).mtime,
+        shown,
+        "fsync wrote another mtime"
+    );
     assert_eq!(fx.read(ino, fh, 0, 8192)[..4096], pattern(2, 4096)[..]);
     fx.release(ino, fh);
 }
@@ -1450,16 +1444,12 @@ fn overwrite_and_fsync_loops_commit_the_mtime_once_per_clock_tick() {
     let (ino, fh) = fx.create(ROOT, b"f");
     fx.write(ino, fh, 0, &pattern(1, 8192));
     fx.fsync(ino, fh);
-    let mtime = |fx: &mut Fx| {
-        let a = fx.getattr(ino).attr;
-        meta::types::Timespec::new(a.mtime as i64, a.mtimensec)
-    };
     let txns = fx.kv.txn_count();
-    let mut last = mtime(&mut fx);
+    let mut last = shown_mtime(&mut fx, ino);
     for i in 0..200u8 {
         fx.write(ino, fh, 4096, &pattern(i, 4096));
         fx.fsync(ino, fh);
-        let now = mtime(&mut fx);
+        let now = shown_mtime(&mut fx, ino);
         assert!(now >= last, "the mtime went back");
         last = now;
     }
@@ -1469,7 +1459,7 @@ fn overwrite_and_fsync_loops_commit_the_mtime_once_per_clock_tick() {
     std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 4096, &pattern(9, 4096));
     assert!(
-        mtime(&mut fx) > last,
+        shown_mtime(&mut fx, ino) > last,
         "an overwrite a tick later left the mtime"
     );
     let txns = fx.kv.txn_count();
@@ -1492,24 +1482,16 @@ fn an_overwrite_mtime_commits_without_the_lock_unless_the_inode_changed() {
     let (ino, fh) = fx.create(ROOT, b"f");
     fx.write(ino, fh, 0, &pattern(1, 8192));
     fx.fsync(ino, fh);
-    let stored = |fx: &Fx| {
-        let t = fx.fs.inner().meta.get_inode_at(Ino(ino)).unwrap();
-        t.wait().unwrap().0.unwrap()
-    };
-    let shown_mtime = |fx: &mut Fx| {
-        let a = fx.getattr(ino).attr;
-        meta::types::Timespec::new(a.mtime as i64, a.mtimensec)
-    };
     std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 0, &pattern(2, 4096));
-    let shown = shown_mtime(&mut fx);
+    let shown = shown_mtime(&mut fx, ino);
     fx.fsync(ino, fh);
-    assert_eq!(stored(&fx).mtime, shown);
+    assert_eq!(committed_attr(&fx, ino).mtime, shown);
     assert_eq!(counter(&fx, "mtime_commits_relocked"), 0);
 
     std::thread::sleep(Duration::from_millis(10));
     fx.write(ino, fh, 0, &pattern(3, 4096));
-    let shown = shown_mtime(&mut fx);
+    let shown = shown_mtime(&mut fx, ino);
     let chmod = Mutation::SetAttr {
         ino: Ino(ino),
         set: SetAttr {
@@ -1520,7 +1502,7 @@ fn an_overwrite_mtime_commits_without_the_lock_unless_the_inode_changed() {
     fx.fs.inner().commit_op(chmod).unwrap();
     fx.fsync(ino, fh);
     assert_eq!(counter(&fx, "mtime_commits_relocked"), 1);
-    let a = stored(&fx);
+    let a = committed_attr(&fx, ino);
     assert_eq!((a.mtime, a.perm), (shown, 0o600));
     fx.release(ino, fh);
 }
@@ -2378,19 +2360,25 @@ fn frees_leave_no_released_records() {
     assert_eq!(left, 0, "released records left");
 }
 
+/// The attributes etcd holds for `ino`.
+pub(super) fn committed_attr(fx: &Fx, ino: u64) -> meta::codec::InodeAttr {
+    let t = fx.fs.inner().meta.get_inode_at(meta::types::Ino(ino));
+    t.unwrap().wait().unwrap().0.expect("inode in etcd")
+}
+
+/// The mtime a GETATTR of `ino` answers.
+fn shown_mtime(fx: &mut Fx, ino: u64) -> meta::types::Timespec {
+    let a = fx.getattr(ino).attr;
+    meta::types::Timespec::new(a.mtime as i64, a.mtimensec)
+}
+
 /// The size and extents etcd holds for `ino` (what another node would see).
 pub(super) fn committed(fx: &Fx, ino: u64) -> (u64, Vec<meta::codec::Extent>) {
-    use meta::types::Ino;
-    let inner = fx.fs.inner();
-    let (a, _) = inner.meta.get_inode_at(Ino(ino)).unwrap().wait().unwrap();
-    let (list, more) = inner
-        .meta
-        .extents(Ino(ino), 0, 1000)
-        .unwrap()
-        .wait()
-        .unwrap();
+    let size = committed_attr(fx, ino).size;
+    let t = fx.fs.inner().meta.extents(meta::types::Ino(ino), 0, 1000);
+    let (list, more) = t.unwrap().wait().unwrap();
     assert!(!more);
-    (a.unwrap().size, list)
+    (size, list)
 }
 
 /// Write-behind: allocating writes show at once in the open file's reads and attributes
