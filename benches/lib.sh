@@ -129,3 +129,14 @@ layout() {
 		--ioengine=psync --size="$FIO_SIZE" >"$WORK/layout.log" 2>&1 ||
 		{ cat "$WORK/layout.log" >&2; die "laying out $1 failed"; }
 }
+
+# unmount_started MNT...: unmounts each mountpoint still mounted (lazily if it is busy),
+# then ends the daemons the caller started with mount_etcfs and empties `pids`.
+unmount_started() {
+	local m p
+	for m in "$@"; do
+		if mountpoint -q "$m" 2>/dev/null; then umount "$m" || umount -l "$m" || true; fi
+	done
+	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+	pids=()
+}

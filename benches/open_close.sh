@@ -47,12 +47,7 @@ MNT=$WORK/mnt
 PORT=${OPEN_CLOSE_ETCD_PORT:-27479}
 EP=http://127.0.0.1:$PORT
 pids=()
-unmount() {
-	if mountpoint -q "$MNT" 2>/dev/null; then umount "$MNT" || umount -l "$MNT" || true; fi
-	local p
-	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-	pids=()
-}
+unmount() { unmount_started "$MNT"; }
 cleanup() {
 	unmount
 	stop_started
