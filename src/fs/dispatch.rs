@@ -618,6 +618,14 @@ impl Handler for EtcFs {
             ("plocks_granted".into(), l(&i.plocks.granted)),
             ("plocks_waited".into(), l(&i.plocks.waited)),
             ("plocks_refused".into(), l(&i.plocks.refused)),
+            (
+                "plocks_delegations_taken".into(),
+                l(&i.plocks.delegations_taken),
+            ),
+            (
+                "plocks_delegations_returned".into(),
+                l(&i.plocks.delegations_returned),
+            ),
         ]);
         let (forgotten, waited_out) = self.inner.meta.own_commits().counters();
         c.push(("own_revisions_forgotten".into(), forgotten));

@@ -1213,6 +1213,18 @@ impl Inner {
                 let weak = weak.clone();
                 move || serve_jobs(&weak, &stale_rx, |i, ino| i.inval_stale(ino))
             })?;
+        // Recalls of fcntl-lock delegations: etcd round trips the watch must not wait for.
+        let recall = match self.plocks.take_recalls() {
+            Some(rx) => Some(
+                std::thread::Builder::new()
+                    .name("etcfs-recall".into())
+                    .spawn({
+                        let weak = weak.clone();
+                        move || serve_jobs(&weak, &rx, |i, ino| i.return_delegation(ino, true))
+                    })?,
+            ),
+            None => None,
+        };
         std::thread::Builder::new()
             .name("etcfs-locks".into())
             .spawn(move || {
@@ -1224,6 +1236,9 @@ impl Inner {
                 });
                 let _ = stale.join();
                 let _ = share.join();
+                if let Some(r) = recall {
+                    let _ = r.join();
+                }
             })
     }
 

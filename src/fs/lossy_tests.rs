@@ -18,7 +18,7 @@ use meta::{
     lossy::{Losses, Lossy},
 };
 
-use super::tests::{eventually, keys_of, pattern, second_mount_on, Fx, Requests, ROOT};
+use super::tests::{eventually, keys_of, parse, pattern, second_mount_on, Fx, Requests, ROOT};
 
 /// Whether `txn` writes a key of a cache lock, an fcntl or flock lock or a group owner.
 fn lock_or_group(keys: &Keyspace, txn: &Txn) -> bool {
@@ -234,6 +234,9 @@ fn a_release_etcd_refused_is_retried_until_it_is_taken() {
     assert_eq!(a.lookup(ROOT, b"f").nodeid, ino);
     let afh = a.open(ino);
     for flock in [false, true] {
+        // B's lock of the other class (no conflict) keeps the file from being delegated
+        // to A, whose locks then live in etcd.
+        setlk(&mut b, ino, bfh, 3, libc::F_RDLCK, !flock).expect("B's other lock");
         setlk(&mut a, ino, afh, 1, libc::F_WRLCK, flock).expect("A locks");
         lossy.set_losses(Losses {
             refused_txns: u32::MAX,
@@ -261,8 +264,10 @@ fn a_release_etcd_refused_is_retried_until_it_is_taken() {
         setlk(&mut b, ino, bfh, 2, libc::F_WRLCK, flock)
             .expect("B locks once A's release is taken");
         setlk(&mut b, ino, bfh, 2, libc::F_UNLCK, flock).expect("B unlocks");
+        setlk(&mut b, ino, bfh, 3, libc::F_UNLCK, !flock).expect("B's other unlock");
     }
     // A release refused, then the owner locks again: the retry leaves that lock alone.
+    setlk(&mut b, ino, bfh, 3, libc::F_RDLCK, true).expect("B's flock");
     setlk(&mut a, ino, afh, 1, libc::F_WRLCK, false).expect("A locks");
     lossy.set_losses(Losses {
         refused_txns: u32::MAX,
@@ -341,5 +346,128 @@ fn a_late_grant_of_a_lock_this_node_does_not_hold_is_deleted() {
     // A's own file kept its lock (put by the create's transaction).
     assert!(present(&a, key(mine)));
     a.release(mine, afh);
+    b.release(ino, bfh);
+}
+
+/// GETLK of the whole file as `owner`: the conflicting lock's (type, pid), if any.
+fn getlk(fx: &mut Fx, ino: u64, fh: u64, owner: u64) -> Result<Option<(i32, u32)>, Errno> {
+    let op = Operation::Getlk {
+        fh,
+        owner,
+        lock: FileLock {
+            start: 0,
+            end: u64::MAX >> 1,
+            typ: libc::F_WRLCK as u32,
+            pid: 9,
+        },
+        lk_flags: 0,
+    };
+    match fx.call(ino, op) {
+        Reply::Error(e) => Err(e),
+        Reply::Bytes(n) => {
+            let out: fusedev::abi::LkOut = parse(&fx.parts().1[..n]);
+            let typ = out.lk.typ as i32;
+            Ok((typ != libc::F_UNLCK).then_some((typ, out.lk.pid)))
+        }
+        other => panic!("GETLK answered {other:?}"),
+    }
+}
+
+/// The fcntl locks of a file only A locks are delegated to A: after the first, its locks
+/// and unlocks send etcd nothing. B's lock finds the delegation, asks for it back and is
+/// refused for A's lock, which is in etcd by then (B's GETLK reports it); once A unlocks,
+/// B locks. A, recalled a moment ago, takes its next lock through etcd, where B's lock
+/// refuses it. Every lock write's answer of A's is lost once on the way.
+#[test]
+fn the_locks_of_a_file_one_node_uses_are_delegated_to_it_until_another_asks() {
+    let (mut a, mut b, lossy) = nodes();
+    let (ino, bfh) = b.create(ROOT, b"f");
+    assert_eq!(a.lookup(ROOT, b"f").nodeid, ino);
+    let afh = a.open(ino);
+    lose(&lossy, 1);
+    setlk(&mut a, ino, afh, 1, libc::F_WRLCK, false).expect("A locks");
+    assert_eq!(counter(&a, "plocks_delegations_taken"), 1);
+    assert_eq!(keys_of(&b, b"t/B", b"t/C"), 1, "the delegation alone");
+    assert_eq!(lossy.lost(), 1);
+    let sent = lossy.writes_sent();
+    for _ in 0..20 {
+        setlk(&mut a, ino, afh, 1, libc::F_UNLCK, false).expect("A unlocks");
+        setlk(&mut a, ino, afh, 2, libc::F_RDLCK, false).expect("another owner of A's");
+        setlk(&mut a, ino, afh, 2, libc::F_UNLCK, false).expect("and its unlock");
+        setlk(&mut a, ino, afh, 1, libc::F_WRLCK, false).expect("A locks again");
+    }
+    assert_eq!(
+        setlk(&mut a, ino, afh, 2, libc::F_RDLCK, false),
+        Err(Errno::EAGAIN),
+        "A's own owners exclude each other"
+    );
+    assert_eq!(lossy.writes_sent(), sent, "no etcd write while delegated");
+    lose(&lossy, 1);
+    assert_eq!(
+        setlk(&mut b, ino, bfh, 7, libc::F_RDLCK, false),
+        Err(Errno::EAGAIN),
+        "A's lock, given back"
+    );
+    // (The give-back's answer was lost: it is found applied, and not counted.)
+    assert_eq!(
+        keys_of(&b, b"t/B", b"t/C"),
+        1,
+        "A's lock, no delegation or recall"
+    );
+    assert_eq!(getlk(&mut b, ino, bfh, 7), Ok(Some((libc::F_WRLCK, 1))));
+    setlk(&mut a, ino, afh, 1, libc::F_UNLCK, false).expect("A unlocks");
+    assert_eq!(getlk(&mut b, ino, bfh, 7), Ok(None));
+    setlk(&mut b, ino, bfh, 7, libc::F_WRLCK, false).expect("B locks");
+    assert_eq!(
+        setlk(&mut a, ino, afh, 1, libc::F_RDLCK, false),
+        Err(Errno::EAGAIN),
+        "B's lock, in etcd"
+    );
+    setlk(&mut b, ino, bfh, 7, libc::F_UNLCK, false).expect("B unlocks");
+    setlk(&mut a, ino, afh, 1, libc::F_RDLCK, false).expect("A locks through etcd");
+    assert_eq!(
+        counter(&a, "plocks_delegations_taken"),
+        1,
+        "not again so soon"
+    );
+    setlk(&mut a, ino, afh, 1, libc::F_UNLCK, false).expect("A unlocks");
+    assert_eq!(keys_of(&b, b"t/B", b"t/C"), 0);
+    a.release(ino, afh);
+    b.release(ino, bfh);
+}
+
+/// A delegation of a file no longer open on its node is given back by housekeeping, and
+/// B's GETLK of a file delegated to A sees A's locks (they are given back for it).
+#[test]
+fn delegations_of_closed_files_go_and_getlk_sees_delegated_locks() {
+    let (mut a, mut b, _lossy) = nodes();
+    let (ino, bfh) = b.create(ROOT, b"f");
+    assert_eq!(a.lookup(ROOT, b"f").nodeid, ino);
+    let afh = a.open(ino);
+    setlk(&mut a, ino, afh, 1, libc::F_RDLCK, true).expect("A's flock");
+    assert_eq!(counter(&a, "plocks_delegations_taken"), 1);
+    // A flock lock of A's, a GETLK of fcntl locks from B: the delegation covers both
+    // classes, so it comes back, and B sees no fcntl lock.
+    assert_eq!(getlk(&mut b, ino, bfh, 7), Ok(None));
+    assert_eq!(counter(&a, "plocks_delegations_returned"), 1);
+    assert_eq!(
+        setlk(&mut b, ino, bfh, 7, libc::F_WRLCK, true),
+        Err(Errno::EAGAIN),
+        "A's flock lock, in etcd now"
+    );
+    a.fs.inner().release_locks(ino, 1, true);
+    setlk(&mut b, ino, bfh, 7, libc::F_WRLCK, true).expect("B's flock after A's unlock");
+    setlk(&mut b, ino, bfh, 7, libc::F_UNLCK, true).expect("B unlocks");
+    a.release(ino, afh);
+    // A file of its own, locked and closed on A: housekeeping deletes its delegation.
+    let (x, xfh) = a.create(ROOT, b"x");
+    setlk(&mut a, x, xfh, 1, libc::F_WRLCK, false).expect("A locks x");
+    assert_eq!(counter(&a, "plocks_delegations_taken"), 2);
+    a.fs.inner().return_delegations();
+    assert_eq!(counter(&a, "plocks_delegations_returned"), 1, "x is open");
+    a.release(x, xfh);
+    a.fs.inner().return_delegations();
+    assert_eq!(counter(&a, "plocks_delegations_returned"), 2, "x closed");
+    assert_eq!(keys_of(&b, b"t/B", b"t/C"), 0, "x's delegation went");
     b.release(ino, bfh);
 }

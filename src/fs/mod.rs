@@ -873,6 +873,7 @@ fn housekeeping(inner: std::sync::Weak<Inner>) {
                     let second = waited.as_millis() % 1000 < step.as_millis();
                     if second {
                         i.retry_releases();
+                        i.return_delegations();
                         i.drop_strays();
                     }
                     if i.read_only {

@@ -27,6 +27,21 @@
 //!   through the file handle, the process-owned ones being gone by then). Process exit
 //!   closes its files, so the kernel sends those too.
 //!
+//! * Delegation: a lock on a file with no lock at all, by anyone, puts a delegation record
+//!   instead (`B<ino><session><DELEGATION_OWNER>`, under the lease), compared like any
+//!   lock on every key of `B<ino>`. While it stands the file's locks live on this node
+//!   only, taken and dropped without etcd (a database takes and drops about six per
+//!   transaction: benches/sqlite.sh). Another node's lock or GETLK that finds it puts a
+//!   recall record (`<RECALL_OWNER>`, only while the delegation exists: compared on it)
+//!   and waits; the watch hands the recall to this node's recall thread, which writes
+//!   the locks held here as ordinary keys and deletes the delegation and the recalls in
+//!   one transaction compared on `B<ino>`, so the asker then finds every lock in etcd.
+//!   A node takes a recalled file again only [`REDELEGATE_AFTER`] later, so two nodes
+//!   taking turns keep its locks in etcd. A dead node's delegation goes with its lease
+//!   (its locks with it, as they would); files closed here are given back by
+//!   housekeeping; a delegation with more than [`DELEGATED_LOCKS_MAX`] locks is given back
+//!   before the next one.
+//!
 //! Holder pids are the holder node's: F_GETLK on another machine reports a pid that
 //! means nothing there (the kernel turns a pid it does not know into 0).
 
@@ -46,7 +61,7 @@ use fusedev::{
 };
 use meta::{
     codec::{LockRecord, Record},
-    keys::{KeyKind, LockKey},
+    keys::{KeyKind, Keyspace, LockKey},
     kv::{Compare, CompareOp, CompareTarget, PutOp, RangeRequest, Txn, TxnOp},
     types::{Ino, SessionId},
 };
@@ -72,6 +87,25 @@ const OFFSET_MAX: u64 = i64::MAX as u64;
 const SHARDS: usize = 64;
 /// Files whose last read (or commit) of their locks this node remembers.
 const KNOWN_FILES_MAX: usize = 4096;
+/// The owner in the key of the record that delegates a file's locks to its session, and
+/// of the record by which another session asks for them back. Neither is a lock; kernel
+/// lock owners with these values are refused (ENOLCK).
+const DELEGATION_OWNER: u64 = u64::MAX;
+const RECALL_OWNER: u64 = u64::MAX - 1;
+/// Files whose locks this node may hold delegated at once.
+const DELEGATIONS_MAX: usize = 1024;
+/// Locks a delegated file may hold here: all of them go back to etcd in one transaction
+/// when another node asks (etcd's default limit is 128 operations per transaction).
+const DELEGATED_LOCKS_MAX: usize = 64;
+/// How long a non-blocking lock or GETLK waits for another node to give a delegation
+/// back: longer than a lease, so a dead holder's delegation has gone by then.
+const RECALL_WAIT_MAX: Duration = Duration::from_secs(30);
+/// After a file's delegation was recalled (from this node or by it), this node takes it
+/// again only this much later: two nodes taking turns on a file keep its locks in etcd
+/// instead of passing the delegation back and forth on every lock.
+const REDELEGATE_AFTER: Duration = Duration::from_secs(5);
+/// Recalls queued for the recall thread; past it, housekeeping finds them.
+const RECALLS_QUEUED: usize = 1024;
 
 // ---------------------------------------------------------------------------------------
 // Pure lock logic
@@ -100,6 +134,42 @@ pub(super) struct Held {
     pub(super) span: Span,
 }
 
+/// A delegation or recall record: in the lock keys, but not a lock.
+fn is_record(h: &Held) -> bool {
+    h.holder.owner >= RECALL_OWNER
+}
+
+/// The session other than `me` that holds the file's locks delegated, if any.
+fn delegated_elsewhere(held: &[Held], me: u64) -> Option<u64> {
+    held.iter()
+        .find(|h| h.holder.owner == DELEGATION_OWNER && h.holder.session != me)
+        .map(|h| h.holder.session)
+}
+
+/// The key of `session`'s delegation (`DELEGATION_OWNER`) or recall record of `ino`.
+fn record_key(keys: &Keyspace, ino: u64, session: u64, owner: u64) -> Vec<u8> {
+    keys.lock(&LockKey {
+        ino: Ino(ino),
+        session: SessionId(session),
+        owner,
+        flock: false,
+        start: 0,
+    })
+}
+
+/// The keys of `session`'s own records among `held`: a recall it no longer needs, or a
+/// delegation this node does not hold (one whose answer was lost), both to delete.
+fn own_records<'a>(
+    keys: &'a Keyspace,
+    ino: u64,
+    session: SessionId,
+    held: &'a [Held],
+) -> impl Iterator<Item = Vec<u8>> + 'a {
+    held.iter()
+        .filter(move |h| h.holder.session == session.0 && is_record(h))
+        .map(move |h| record_key(keys, ino, session.0, h.holder.owner))
+}
+
 fn overlaps(s: &Span, start: u64, end: u64) -> bool {
     s.start <= end && start <= s.end
 }
@@ -115,6 +185,7 @@ pub(super) fn conflict(
 ) -> Option<&Held> {
     held.iter().find(|h| {
         h.holder != me
+            && !is_record(h)
             && h.holder.flock == me.flock
             && overlaps(&h.span, start, end)
             && (write || h.span.write)
@@ -262,6 +333,20 @@ pub(crate) struct Plocks {
     /// of it): a lock or unlock is tried against this first, in one round trip, and its
     /// compare fails (answering the fresh set) only if the locks changed since.
     known: Mutex<HashMap<u64, (Vec<Held>, i64)>>,
+    /// Files whose locks are delegated to this node (see the module docs), and the locks
+    /// held on each: taken, dropped and checked here, without etcd.
+    delegated: Mutex<HashMap<u64, Vec<Held>>>,
+    /// When each file's delegation was last recalled, from this node or by it (bounded:
+    /// forgotten when full).
+    recalled: Mutex<HashMap<u64, Instant>>,
+    /// Files delegated here that another node asked back: for the recall thread, and for
+    /// housekeeping when giving them back failed.
+    recalls: crossbeam_channel::Sender<u64>,
+    recalls_rx: Mutex<Option<crossbeam_channel::Receiver<u64>>>,
+    recall_retry: Mutex<HashSet<u64>>,
+    /// Delegations taken and given back, for `etcfs stats`.
+    pub(super) delegations_taken: AtomicU64,
+    pub(super) delegations_returned: AtomicU64,
     /// Locks taken (not unlocks), SETLKW requests that had to wait for another holder,
     /// and SETLK requests refused for one (EAGAIN), for `etcfs stats`.
     pub(super) granted: AtomicU64,
@@ -271,12 +356,20 @@ pub(crate) struct Plocks {
 
 impl Default for Plocks {
     fn default() -> Self {
+        let (recalls, recalls_rx) = crossbeam_channel::bounded(RECALLS_QUEUED);
         Plocks {
             state: Mutex::default(),
             changed: Condvar::new(),
             shards: (0..SHARDS).map(|_| Mutex::new(())).collect(),
             threads: AtomicUsize::new(0),
             known: Mutex::default(),
+            delegated: Mutex::default(),
+            recalled: Mutex::default(),
+            recalls,
+            recalls_rx: Mutex::new(Some(recalls_rx)),
+            recall_retry: Mutex::default(),
+            delegations_taken: AtomicU64::new(0),
+            delegations_returned: AtomicU64::new(0),
             granted: AtomicU64::new(0),
             waited: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -287,7 +380,8 @@ impl Default for Plocks {
 /// A registered waiting request; unregisters when dropped.
 struct Waiter<'a> {
     p: &'a Plocks,
-    unique: u64,
+    /// The waiting request, when an INTERRUPT can end its wait (SETLKW).
+    unique: Option<u64>,
     ino: u64,
 }
 
@@ -326,6 +420,44 @@ impl Plocks {
         s.early.push_back(unique);
     }
 
+    /// The watch saw a lock key of `ino` change (`put`: written): its waiters re-read,
+    /// and a recall of a delegation held here goes to the recall thread.
+    pub(super) fn key_changed(&self, l: &LockKey, put: bool) {
+        self.changed(l.ino.0);
+        if put && l.owner == RECALL_OWNER {
+            let ino = l.ino.0;
+            let ours =
+                lock(&self.delegated).contains_key(&ino) || lock(&self.recall_retry).contains(&ino);
+            if ours && self.recalls.try_send(ino).is_err() {
+                lock(&self.recall_retry).insert(ino);
+            }
+        }
+    }
+
+    /// The recall thread's queue (once).
+    pub(super) fn take_recalls(&self) -> Option<crossbeam_channel::Receiver<u64>> {
+        lock(&self.recalls_rx).take()
+    }
+
+    /// Whether this node may take `ino`'s delegation now.
+    fn may_delegate(&self, ino: u64) -> bool {
+        lock(&self.delegated).len() < DELEGATIONS_MAX
+            && lock(&self.recalled)
+                .get(&ino)
+                .is_none_or(|t| t.elapsed() >= REDELEGATE_AFTER)
+    }
+
+    fn note_recalled(&self, ino: u64) {
+        let mut r = lock(&self.recalled);
+        if r.len() >= KNOWN_FILES_MAX {
+            r.retain(|_, t| t.elapsed() < REDELEGATE_AFTER);
+            if r.len() >= KNOWN_FILES_MAX {
+                r.clear();
+            }
+        }
+        r.insert(ino, Instant::now());
+    }
+
     /// Whether `owner` may hold locks of its class on `ino` here.
     pub(super) fn holds(&self, ino: u64, owner: u64, flock: bool) -> bool {
         self.state().holders.contains(&(ino, owner, flock))
@@ -340,6 +472,9 @@ impl Plocks {
         s.unreleased.clear();
         drop(s);
         lock(&self.known).clear();
+        // Their record went with the lease, and the locks held under it.
+        lock(&self.delegated).clear();
+        lock(&self.recall_retry).clear();
         self.changed.notify_all();
     }
 
@@ -390,16 +525,18 @@ impl Plocks {
         s.unreleased.remove(&(ino, owner, flock));
     }
 
-    fn register(&self, unique: u64, ino: u64) -> Result<Waiter<'_>, Errno> {
+    fn register(&self, unique: Option<u64>, ino: u64) -> Result<Waiter<'_>, Errno> {
         let mut s = self.state();
-        if let Some(at) = s.early.iter().position(|u| *u == unique) {
+        if let Some(at) = s.early.iter().position(|u| Some(*u) == unique) {
             s.early.remove(at);
             return Err(Errno::EINTR);
         }
         if s.waiting.len() >= WAITERS_MAX {
             return Err(Errno::ENOLCK);
         }
-        s.waiting.insert(unique, false);
+        if let Some(unique) = unique {
+            s.waiting.insert(unique, false);
+        }
         s.files.entry(ino).or_insert((0, 0)).1 += 1;
         Ok(Waiter {
             p: self,
@@ -418,10 +555,15 @@ impl Waiter<'_> {
     /// EINTR when the request is interrupted or the filesystem stops.
     fn interrupted(&self) -> Result<(), Errno> {
         let s = self.p.state();
-        if s.stopping || s.waiting.get(&self.unique).copied().unwrap_or(true) {
+        if s.stopping || self.interrupted_in(&s) {
             return Err(Errno::EINTR);
         }
         Ok(())
+    }
+
+    fn interrupted_in(&self, s: &State) -> bool {
+        self.unique
+            .is_some_and(|u| s.waiting.get(&u).copied().unwrap_or(true))
     }
 
     /// Waits until the file's locks change after `seen`, or [`RECHECK`]; EINTR when the
@@ -430,7 +572,7 @@ impl Waiter<'_> {
         let until = Instant::now() + RECHECK;
         let mut s = self.p.state();
         loop {
-            if s.stopping || s.waiting.get(&self.unique).copied().unwrap_or(true) {
+            if s.stopping || self.interrupted_in(&s) {
                 return Err(Errno::EINTR);
             }
             if s.files.get(&self.ino).map_or(0, |f| f.0) != seen {
@@ -453,7 +595,9 @@ impl Waiter<'_> {
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
         let mut s = self.p.state();
-        s.waiting.remove(&self.unique);
+        if let Some(u) = self.unique {
+            s.waiting.remove(&u);
+        }
         if let Some(f) = s.files.get_mut(&self.ino) {
             f.1 -= 1;
             if f.1 == 0 {
@@ -473,6 +617,8 @@ enum Round {
     Conflict,
     /// Concurrent changes kept failing the compare.
     Busy,
+    /// Another node holds the file's locks delegated and was asked for them back.
+    Recalling,
 }
 
 impl Inner {
@@ -561,6 +707,9 @@ impl Inner {
         want: &Want,
         only_unreleased: bool,
     ) -> Result<Round, Errno> {
+        if owner >= RECALL_OWNER {
+            return Err(Errno::ENOLCK);
+        }
         let (session, lease) = self.lock_session()?;
         let me = Holder {
             session: session.0,
@@ -580,18 +729,37 @@ impl Inner {
                 s.unreleased.remove(&(ino, owner, want.flock));
             }
         }
+        match self.set_delegated(ino, me, want) {
+            Some(r) => return r,
+            // Delegated, but with more locks than one transaction gives back.
+            None if lock(&self.plocks.delegated).contains_key(&ino) => {
+                self.give_back_locked(ino, false)?;
+            }
+            None => {}
+        }
         // What this node last knew of the file's locks, if anything; a conflict found in
         // it is checked against a fresh read before it is believed.
         let mut known = super::lock(&self.plocks.known).remove(&ino);
         for _ in 0..ATTEMPTS_MAX {
+            let fresh = known.is_none();
             let (held, rev) = match known.take() {
                 Some(k) => k,
                 None => self.read_locks(ino)?,
             };
+            if want.lock.is_some() {
+                if let Some(d) = delegated_elsewhere(&held, session.0) {
+                    if !fresh {
+                        continue;
+                    }
+                    self.ask_recall(ino, (session, lease), &held, d)?;
+                    return Ok(Round::Recalling);
+                }
+            }
             if let Some(write) = want.lock {
                 if conflict(&held, me, want.start, want.end, write).is_some() {
                     let (held2, rev2) = self.read_locks(ino)?;
                     if conflict(&held2, me, want.start, want.end, write).is_some() {
+                        self.drop_own_records(ino, session, &held2);
                         self.remember_locks(ino, held2, rev2);
                         return Ok(Round::Conflict);
                     }
@@ -607,6 +775,7 @@ impl Inner {
             let new = apply(&own, want.start, want.end, want.lock.map(|w| (w, want.pid)));
             let (deletes, puts) = diff(&own, &new);
             if deletes.is_empty() && puts.is_empty() {
+                self.drop_own_records(ino, session, &held);
                 if new.is_empty() {
                     self.plocks.forget_holder(ino, owner, want.flock);
                 }
@@ -615,6 +784,18 @@ impl Inner {
             // Noted before the commit: a commit whose answer is lost may have locked, and
             // the holder's FLUSH or RELEASE must then still look.
             self.plocks.note_holder(ino, owner, want.flock)?;
+            if want.lock.is_some() && held.is_empty() && self.plocks.may_delegate(ino) {
+                match self.delegate(ino, (session, lease), rev)? {
+                    Some(()) => {
+                        let mine = new.iter().map(|&span| Held { holder: me, span });
+                        lock(&self.plocks.delegated).insert(ino, mine.collect());
+                        super::lock(&self.plocks.known).remove(&ino);
+                        return Ok(Round::Done);
+                    }
+                    // The locks changed since the read: read again.
+                    None => continue,
+                }
+            }
             let key_at = |start: u64| {
                 keys.lock(&LockKey {
                     ino: Ino(ino),
@@ -625,6 +806,7 @@ impl Inner {
                 })
             };
             let mut ops: Vec<TxnOp> = deletes.iter().map(|s| TxnOp::delete(key_at(*s))).collect();
+            ops.extend(own_records(&keys, ino, session, &held).map(TxnOp::delete));
             ops.extend(puts.iter().map(|s| {
                 TxnOp::Put(PutOp {
                     key: key_at(s.start),
@@ -680,8 +862,12 @@ impl Inner {
                     self.plocks.forget_holder(ino, owner, want.flock);
                 }
                 if want.lock.is_some() {
-                    let mut after: Vec<Held> =
-                        held.into_iter().filter(|h| h.holder != me).collect();
+                    let mut after: Vec<Held> = held
+                        .into_iter()
+                        .filter(|h| {
+                            h.holder != me && !(h.holder.session == session.0 && is_record(h))
+                        })
+                        .collect();
                     after.extend(new.iter().map(|&span| Held { holder: me, span }));
                     self.remember_locks(ino, after, resp.revision);
                 } else if let Some(Ok((after, rev))) = self.range_answer(ino, &resp) {
@@ -729,13 +915,13 @@ impl Inner {
         lk_flags: u32,
     ) -> Result<Done, Errno> {
         let want = Want::new(&lk, lk_flags)?;
-        let (session, _) = self.lock_session()?;
+        let (session, lease) = self.lock_session()?;
         let me = Holder {
             session: session.0,
             owner,
             flock: want.flock,
         };
-        let (held, _) = self.read_locks(ino)?;
+        let held = self.locks_to_show(ino, (session, lease))?;
         let found = want
             .lock
             .and_then(|write| conflict(&held, me, want.start, want.end, write));
@@ -756,6 +942,36 @@ impl Inner {
             },
         };
         Ok(done_bytes(&LkOut { lk }))
+    }
+
+    /// Every lock of `ino`, for GETLK: this node's own when the file is delegated here,
+    /// else etcd's, once the node holding them delegated has given them back (waiting
+    /// up to [`RECALL_WAIT_MAX`] for it, ENOLCK past that).
+    fn locks_to_show(&self, ino: u64, session: (SessionId, i64)) -> Result<Vec<Held>, Errno> {
+        let until = Instant::now() + RECALL_WAIT_MAX;
+        let mut w: Option<Waiter<'_>> = None;
+        loop {
+            let seen = w.as_ref().map(Waiter::changes);
+            {
+                let _one = self.plocks.shard(ino);
+                if let Some(local) = lock(&self.plocks.delegated).get(&ino) {
+                    return Ok(local.clone());
+                }
+            }
+            let (held, _) = self.read_locks(ino)?;
+            let Some(holder) = delegated_elsewhere(&held, session.0 .0) else {
+                self.drop_own_records(ino, session.0, &held);
+                return Ok(held);
+            };
+            if Instant::now() >= until {
+                return Err(Errno::ENOLCK);
+            }
+            self.ask_recall(ino, session, &held, holder)?;
+            match (&w, seen) {
+                (Some(w), Some(seen)) => w.wait(seen)?,
+                _ => w = Some(self.plocks.register(None, ino)?),
+            }
+        }
     }
 
     /// SETLK through open file `fh`, and SETLKW when `wait` names the request (its FUSE
@@ -784,16 +1000,29 @@ impl Inner {
             }
             Ok(Done::Empty)
         };
-        let Some(unique) = wait.filter(|_| want.lock.is_some()) else {
-            return match self.set_once(ino, owner, want)? {
-                Round::Done => granted(),
-                Round::Conflict | Round::Busy => {
-                    p.refused.fetch_add(1, Ordering::Relaxed);
-                    Err(Errno::EAGAIN)
-                }
-            };
+        let refused = || {
+            p.refused.fetch_add(1, Ordering::Relaxed);
+            Err(Errno::EAGAIN)
         };
-        let w = self.plocks.register(unique, ino)?;
+        let Some(unique) = wait.filter(|_| want.lock.is_some()) else {
+            // A non-blocking lock waits only for another node to give the file's
+            // delegation back.
+            let until = Instant::now() + RECALL_WAIT_MAX;
+            let mut w: Option<Waiter<'_>> = None;
+            loop {
+                let seen = w.as_ref().map(Waiter::changes);
+                match self.set_once(ino, owner, want)? {
+                    Round::Done => return granted(),
+                    Round::Conflict | Round::Busy => return refused(),
+                    Round::Recalling if Instant::now() >= until => return refused(),
+                    Round::Recalling => match (&w, seen) {
+                        (Some(w), Some(seen)) => w.wait(seen)?,
+                        _ => w = Some(self.plocks.register(None, ino)?),
+                    },
+                }
+            }
+        };
+        let w = self.plocks.register(Some(unique), ino)?;
         let mut waited = false;
         loop {
             let seen = w.changes();
@@ -807,6 +1036,7 @@ impl Inner {
                     }
                     w.wait(seen)?
                 }
+                Round::Recalling => w.wait(seen)?,
             }
         }
     }
@@ -867,10 +1097,30 @@ impl Inner {
     pub(super) fn release_all_locks(&self) {
         self.plocks.stop();
         let holders: Vec<(u64, u64, bool)> = self.plocks.state().holders.drain().collect();
+        let delegated: Vec<u64> = lock(&self.plocks.delegated)
+            .drain()
+            .map(|(i, _)| i)
+            .collect();
         let Some(session) = lock(&self.session).clone() else {
             return;
         };
         let keys = self.meta.keys();
+        for chunk in delegated.chunks(64) {
+            let ops = chunk
+                .iter()
+                .map(|&ino| TxnOp::delete(record_key(keys, ino, session.id().0, DELEGATION_OWNER)))
+                .collect();
+            let t = Txn {
+                compares: vec![],
+                success: ops,
+                failure: vec![],
+            };
+            if let Err(e) = run_read(&self.meta, move |kv, _| {
+                Box::pin(async move { Ok(kv.txn_idempotent(t).await?.succeeded) })
+            }) {
+                log::warn!("deleting this node's lock delegations at unmount: {e}");
+            }
+        }
         for chunk in holders.chunks(64) {
             let ops = chunk
                 .iter()
@@ -890,6 +1140,289 @@ impl Inner {
             }) {
                 log::warn!("deleting this node's locks at unmount: {e}");
             }
+        }
+    }
+}
+
+/// Delegation: a file's locks kept on the one node that uses them (see the module docs).
+impl Inner {
+    /// A lock or unlock of a file delegated here, checked and applied here; `None` when
+    /// the file is not delegated here, or would hold more locks than
+    /// [`DELEGATED_LOCKS_MAX`]. Under the file's shard.
+    fn set_delegated(&self, ino: u64, me: Holder, want: &Want) -> Option<Result<Round, Errno>> {
+        let mut d = lock(&self.plocks.delegated);
+        let held = d.get_mut(&ino)?;
+        if let Some(write) = want.lock {
+            if conflict(held, me, want.start, want.end, write).is_some() {
+                return Some(Ok(Round::Conflict));
+            }
+        }
+        let own: Vec<Span> = held
+            .iter()
+            .filter(|h| h.holder == me)
+            .map(|h| h.span)
+            .collect();
+        let new = apply(&own, want.start, want.end, want.lock.map(|w| (w, want.pid)));
+        if new != own {
+            if held.len() - own.len() + new.len() > DELEGATED_LOCKS_MAX {
+                return None;
+            }
+            if let Err(e) = self.plocks.note_holder(ino, me.owner, me.flock) {
+                return Some(Err(e));
+            }
+            held.retain(|h| h.holder != me);
+            held.extend(new.iter().map(|&span| Held { holder: me, span }));
+        }
+        drop(d);
+        if new.is_empty() {
+            self.plocks.forget_holder(ino, me.owner, me.flock);
+        }
+        // Waiters on this node's own conflicting locks try again.
+        self.plocks.changed(ino);
+        Some(Ok(Round::Done))
+    }
+
+    /// Takes `ino`'s delegation, the file having no lock or record at `rev`: `Some` once
+    /// this session's record is in etcd, `None` when the locks changed since `rev`.
+    fn delegate(
+        &self,
+        ino: u64,
+        (session, lease): (SessionId, i64),
+        rev: i64,
+    ) -> Result<Option<()>, Errno> {
+        let keys = self.meta.keys().clone();
+        let all = keys.locks(Ino(ino));
+        let t = Txn {
+            compares: vec![Compare {
+                key: all.start,
+                range_end: Some(all.end),
+                op: CompareOp::Less,
+                target: CompareTarget::ModRevision(rev + 1),
+            }],
+            success: vec![TxnOp::Put(PutOp {
+                key: record_key(&keys, ino, session.0, DELEGATION_OWNER),
+                value: LockRecord {
+                    write: true,
+                    end: u64::MAX,
+                    pid: 0,
+                }
+                .encode(),
+                lease,
+            })],
+            failure: vec![],
+        };
+        let r = run_read(&self.meta, move |kv, _| {
+            Box::pin(async move { Ok(kv.txn_idempotent(t).await?.succeeded) })
+        });
+        if let Ok(true) = r {
+            self.plocks
+                .delegations_taken
+                .fetch_add(1, Ordering::Relaxed);
+            return Ok(Some(()));
+        }
+        // Refused, or no answer: a resent copy of one that applied is refused too, so
+        // whether the record is there decides. Unreadable: housekeeping deletes it if it is.
+        let ours = |held: &[Held]| {
+            held.iter()
+                .any(|h| h.holder.session == session.0 && h.holder.owner == DELEGATION_OWNER)
+        };
+        match self.read_locks(ino) {
+            Ok((held, _)) if ours(&held) => {
+                self.plocks
+                    .delegations_taken
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(Some(()))
+            }
+            Ok(_) => match r {
+                Ok(_) => Ok(None),
+                Err(e) => Err(errno::meta(&e)),
+            },
+            Err(e) => {
+                lock(&self.plocks.recall_retry).insert(ino);
+                Err(e)
+            }
+        }
+    }
+
+    /// Another node's lock found `ino` delegated to `holder`: asks for it back, with a
+    /// record that exists only while the delegation does (none is left behind when the
+    /// delegation went meanwhile).
+    fn ask_recall(
+        &self,
+        ino: u64,
+        (session, lease): (SessionId, i64),
+        held: &[Held],
+        holder: u64,
+    ) -> Result<(), Errno> {
+        self.plocks.note_recalled(ino);
+        if held
+            .iter()
+            .any(|h| h.holder.session == session.0 && h.holder.owner == RECALL_OWNER)
+        {
+            return Ok(());
+        }
+        let keys = self.meta.keys().clone();
+        let t = Txn {
+            compares: vec![Compare {
+                key: record_key(&keys, ino, holder, DELEGATION_OWNER),
+                range_end: None,
+                op: CompareOp::Greater,
+                target: CompareTarget::Version(0),
+            }],
+            success: vec![TxnOp::Put(PutOp {
+                key: record_key(&keys, ino, session.0, RECALL_OWNER),
+                value: LockRecord {
+                    write: false,
+                    end: 0,
+                    pid: 0,
+                }
+                .encode(),
+                lease,
+            })],
+            failure: vec![],
+        };
+        run_read(&self.meta, move |kv, _| {
+            Box::pin(async move { Ok(kv.txn_idempotent(t).await?.succeeded) })
+        })
+        .map_err(|e| errno::meta(&e))?;
+        Ok(())
+    }
+
+    /// Deletes this session's own records among `held` (a recall no longer needed, a
+    /// delegation not held here), best effort: a recall left only keeps the file from
+    /// being delegated until this session's next lock of it or its lease's end.
+    fn drop_own_records(&self, ino: u64, session: SessionId, held: &[Held]) {
+        let keys = self.meta.keys().clone();
+        let ops: Vec<TxnOp> = own_records(&keys, ino, session, held)
+            .map(TxnOp::delete)
+            .collect();
+        if ops.is_empty() {
+            return;
+        }
+        let t = Txn {
+            compares: vec![],
+            success: ops,
+            failure: vec![],
+        };
+        if let Err(e) = run_read(&self.meta, move |kv, _| {
+            Box::pin(async move { Ok(kv.txn_idempotent(t).await?.succeeded) })
+        }) {
+            log::debug!("deleting this node's lock records of inode {ino}: {e}");
+        }
+    }
+
+    /// Gives `ino`'s delegation back: its locks become lock records, and the delegation
+    /// and the recalls of it go, in one transaction compared on the file's lock keys.
+    /// `recalled`: another node asked (this node then takes it again only after
+    /// [`REDELEGATE_AFTER`]). Also deletes a delegation record of this session that this
+    /// node does not know it holds. Under the file's shard.
+    fn give_back_locked(&self, ino: u64, recalled: bool) -> Result<(), Errno> {
+        let local = lock(&self.plocks.delegated).get(&ino).cloned();
+        let (session, lease) = self.lock_session()?;
+        let keys = self.meta.keys().clone();
+        let mine = record_key(&keys, ino, session.0, DELEGATION_OWNER);
+        let finish = |given: Vec<Held>, rev: Option<i64>| {
+            lock(&self.plocks.delegated).remove(&ino);
+            lock(&self.plocks.recall_retry).remove(&ino);
+            if recalled {
+                self.plocks.note_recalled(ino);
+            }
+            if let Some(rev) = rev {
+                self.remember_locks(ino, given, rev);
+            }
+            self.plocks.changed(ino);
+        };
+        for _ in 0..ATTEMPTS_MAX {
+            let (held, rev) = self.read_locks(ino)?;
+            let ours = held
+                .iter()
+                .any(|h| h.holder.session == session.0 && h.holder.owner == DELEGATION_OWNER);
+            let Some(local) = &local else {
+                self.drop_own_records(ino, session, &held);
+                finish(Vec::new(), None);
+                return Ok(());
+            };
+            if !ours {
+                // An earlier attempt applied though its answer was lost (the locks are
+                // records now), or the lease is gone (and the fence drops them).
+                finish(Vec::new(), None);
+                return Ok(());
+            }
+            let recalls = held
+                .iter()
+                .filter(|h| h.holder.owner == RECALL_OWNER)
+                .map(|h| TxnOp::delete(record_key(&keys, ino, h.holder.session, RECALL_OWNER)));
+            let puts = local.iter().map(|h| {
+                TxnOp::Put(PutOp {
+                    key: keys.lock(&LockKey {
+                        ino: Ino(ino),
+                        session,
+                        owner: h.holder.owner,
+                        flock: h.holder.flock,
+                        start: h.span.start,
+                    }),
+                    value: LockRecord {
+                        write: h.span.write,
+                        end: h.span.end,
+                        pid: h.span.pid,
+                    }
+                    .encode(),
+                    lease,
+                })
+            });
+            let all = keys.locks(Ino(ino));
+            let t = Txn {
+                compares: vec![Compare {
+                    key: all.start,
+                    range_end: Some(all.end),
+                    op: CompareOp::Less,
+                    target: CompareTarget::ModRevision(rev + 1),
+                }],
+                success: std::iter::once(TxnOp::delete(mine.clone()))
+                    .chain(recalls)
+                    .chain(puts)
+                    .collect(),
+                failure: vec![],
+            };
+            let resp = run_read(&self.meta, move |kv, _| {
+                Box::pin(async move { Ok(kv.txn_idempotent(t).await?) })
+            })
+            .map_err(|e| errno::meta(&e))?;
+            if resp.succeeded {
+                self.plocks
+                    .delegations_returned
+                    .fetch_add(1, Ordering::Relaxed);
+                finish(local.clone(), Some(resp.revision));
+                return Ok(());
+            }
+        }
+        Err(Errno::EAGAIN)
+    }
+
+    /// The recall thread's job, and housekeeping's: gives `ino`'s delegation back (kept
+    /// for housekeeping's next try if that fails).
+    pub(super) fn return_delegation(&self, ino: u64, recalled: bool) {
+        let _one = self.plocks.shard(ino);
+        if let Err(e) = self.give_back_locked(ino, recalled) {
+            log::warn!("giving the locks of inode {ino} back to etcd: {e:?} (retried)");
+            lock(&self.plocks.recall_retry).insert(ino);
+        }
+    }
+
+    /// Housekeeping: gives back the delegations whose return failed, and those of files no
+    /// longer open here (their records would otherwise stay until unmount).
+    pub(super) fn return_delegations(&self) {
+        let retry: Vec<u64> = lock(&self.plocks.recall_retry).iter().copied().collect();
+        for ino in retry {
+            self.return_delegation(ino, true);
+        }
+        let idle: Vec<u64> = lock(&self.plocks.delegated)
+            .iter()
+            .filter(|(ino, held)| held.is_empty() && self.files.get(**ino).is_none())
+            .map(|(ino, _)| *ino)
+            .collect();
+        for ino in idle {
+            self.return_delegation(ino, false);
         }
     }
 }
@@ -1084,8 +1617,8 @@ mod tests {
     fn interrupts_reach_waiters_even_early() {
         let p = Plocks::default();
         p.interrupt(5);
-        assert_eq!(p.register(5, 1).err(), Some(Errno::EINTR));
-        let w = p.register(6, 1).unwrap();
+        assert_eq!(p.register(Some(5), 1).err(), Some(Errno::EINTR));
+        let w = p.register(Some(6), 1).unwrap();
         let seen = w.changes();
         p.changed(1);
         assert_eq!(w.wait(seen), Ok(()), "a change wakes");
@@ -1094,9 +1627,9 @@ mod tests {
         drop(w);
         assert!(p.state().files.is_empty() && p.state().waiting.is_empty());
         let many: Vec<_> = (0..WAITERS_MAX as u64)
-            .map(|u| p.register(100 + u, 2).unwrap())
+            .map(|u| p.register(Some(100 + u), 2).unwrap())
             .collect();
-        assert_eq!(p.register(1, 2).err(), Some(Errno::ENOLCK));
+        assert_eq!(p.register(Some(1), 2).err(), Some(Errno::ENOLCK));
         drop(many);
         for u in 0..2 * EARLY_INTERRUPTS_MAX as u64 {
             p.interrupt(1000 + u);

@@ -27,7 +27,7 @@ pub(super) const ROOT: u64 = FUSE_ROOT_ID;
 const DEV_BYTES: u64 = 16 << 20;
 pub(super) const AG_BLOCKS: u64 = 64;
 
-fn parse<T: FromBytes>(b: &[u8]) -> T {
+pub(super) fn parse<T: FromBytes>(b: &[u8]) -> T {
     T::read_from_prefix(b).expect("reply too short").0
 }
 

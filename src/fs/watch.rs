@@ -375,7 +375,7 @@ fn apply_event(i: &Inner, rev: i64, ev: &WatchEvent, kernel: &mut Vec<Kernel>) {
             }
         }
         // Any change may free a range (a delete, a split, a downgrade): waiters re-read.
-        Some(KeyKind::Lock(l)) => i.plocks.changed(l.ino.0),
+        Some(KeyKind::Lock(l)) => i.plocks.key_changed(&l, put),
         _ => {}
     }
 }

@@ -653,6 +653,20 @@ pub(crate) const DESCS: &[Desc] = &[
         &[],
         "Non-blocking fcntl and flock lock requests refused (EAGAIN) for another holder.",
     ),
+    counter(
+        "plocks_delegations_taken",
+        "etcfs_file_lock_delegations_taken",
+        &[],
+        "Files whose fcntl and flock locks this node took delegated: no other node had \
+         any, so this node's locks of them are taken and dropped without etcd.",
+    ),
+    counter(
+        "plocks_delegations_returned",
+        "etcfs_file_lock_delegations_returned",
+        &[],
+        "Delegations given back, their locks written to etcd: another node asked, the \
+         file was closed here, or it held too many locks.",
+    ),
     // The session.
     counter(
         "session_fences",
