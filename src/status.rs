@@ -133,6 +133,9 @@ pub(crate) struct Tally {
     pub(crate) fcntl_locks: u64,
     /// flock locks (`B`, class 1).
     pub(crate) flock_locks: u64,
+    /// Files whose fcntl and flock locks the node holds delegated (`B` delegation
+    /// records): those locks are in its memory, not counted above.
+    pub(crate) lock_delegations: u64,
     /// Files the node has open (`H`).
     pub(crate) files_open: u64,
     /// The node is out of space and asks others for some (`W`).
@@ -372,7 +375,11 @@ pub(crate) async fn read_snapshot(
                 Some(KeyKind::CacheWant(_, s)) => tallies.entry(s).or_default().cache_waiting += 1,
                 Some(KeyKind::Lock(l)) => {
                     let t = tallies.entry(l.session).or_default();
-                    if l.flock {
+                    if l.owner == meta::keys::LOCK_DELEGATION_OWNER {
+                        t.lock_delegations += 1;
+                    } else if l.owner == meta::keys::LOCK_RECALL_OWNER {
+                        // A request, not a lock: another node's delegation is on its way back.
+                    } else if l.flock {
                         t.flock_locks += 1;
                     } else {
                         t.fcntl_locks += 1;
@@ -1009,7 +1016,10 @@ impl Report {
                         groups,
                         blocks(n.free_blocks_in_groups),
                         cache,
-                        format!("{}/{}", r.fcntl_locks, r.flock_locks),
+                        match r.lock_delegations {
+                            0 => format!("{}/{}", r.fcntl_locks, r.flock_locks),
+                            d => format!("{}/{} +{d} delegated", r.fcntl_locks, r.flock_locks),
+                        },
                         r.files_open.to_string(),
                     ]
                 })

@@ -41,7 +41,10 @@
 //!                                                                     lock: holders give way
 //! <p>/B<ino:8><session:8>      LockRecord {kind, end,  the holder's   GETLK/SETLK/SETLKW, FLUSH,
 //!      <owner:8><class:1>      pid}                    lease          RELEASE (src/fs/plocks.rs)
-//!      <start:8>
+//!      <start:8>                                                      owner LOCK_DELEGATION_OWNER:
+//!                                                                     the file's locks are held by
+//!                                                                     that session alone (in memory);
+//!                                                                     LOCK_RECALL_OWNER: asked back
 //! <p>/T<session:8><seq:8>      empty: committed;       the session's  every pipeline txn writes
 //!                              "x": given up                          its own (created only if
 //!                                                                     absent); deleted in ranges
@@ -187,6 +190,12 @@ pub struct LockKey {
     /// First locked byte.
     pub start: u64,
 }
+
+/// The owner of a `B` record (class fcntl, start 0) that is not a lock: the file's locks
+/// are delegated to its session, which holds them in memory (src/fs/plocks.rs).
+pub const LOCK_DELEGATION_OWNER: u64 = u64::MAX;
+/// The owner of a `B` record by which its session asks for a delegation back.
+pub const LOCK_RECALL_OWNER: u64 = u64::MAX - 1;
 
 /// Error for an unusable `--prefix`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

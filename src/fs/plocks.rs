@@ -90,8 +90,7 @@ const KNOWN_FILES_MAX: usize = 4096;
 /// The owner in the key of the record that delegates a file's locks to its session, and
 /// of the record by which another session asks for them back. Neither is a lock; kernel
 /// lock owners with these values are refused (ENOLCK).
-const DELEGATION_OWNER: u64 = u64::MAX;
-const RECALL_OWNER: u64 = u64::MAX - 1;
+use meta::keys::{LOCK_DELEGATION_OWNER as DELEGATION_OWNER, LOCK_RECALL_OWNER as RECALL_OWNER};
 /// Files whose locks this node may hold delegated at once.
 const DELEGATIONS_MAX: usize = 1024;
 /// Locks a delegated file may hold here: all of them go back to etcd in one transaction
