@@ -6,6 +6,9 @@
 # Jobs, each TXNS transactions per run:
 #   wal:          one process, journal_mode=WAL (fcntl locks on the database and its -shm
 #                 file, appends and fsyncs of the -wal file)
+#   wal-reused:   the same after 1,200 transactions not timed: the WAL is then written
+#                 again from its start in place (SQLite's checkpoint), as a long-running
+#                 database's is, where "wal" mostly appends to a new WAL
 #   delete:       one process, journal_mode=DELETE (a rollback journal created, written,
 #                 fsynced and deleted per transaction, fcntl locks on the database)
 #   delete-2node: two processes at once on one database in DELETE mode, TXNS/2 each; on
@@ -37,7 +40,7 @@ while [ $# -gt 0 ]; do
 	--rounds) ROUNDS=$2; shift 2 ;;
 	--txns) TXNS=$2; shift 2 ;;
 	--labels) LABELS=$2; shift 2 ;;
-	-h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,25p' "$0"; exit 0 ;;
 	*) echo "sqlite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
 	esac
 done
@@ -69,6 +72,8 @@ one() {
 	case "$job" in
 	wal | delete)
 		rate=$($TX "$d1/db" "$job" "$TXNS" | awk '{print $3}') ;;
+	wal-reused)
+		rate=$($TX "$d1/db" wal "$TXNS" --warm 1200 | awk '{print $3}') ;;
 	delete-2node)
 		$TX "$d1/db" delete 0 --init
 		local t0 t1 half=$((TXNS / 2))
@@ -84,10 +89,10 @@ one() {
 		rate=$(echo "$((2 * half)) / ($t1 - $t0)" | bc -l) ;;
 	esac
 	printf '%s %s %s %.1f\n' "$side" "$round" "$job" "$rate" >>"$WORK/results"
-	echo "[sqlite.sh $(date +%H:%M:%S)] $side round $round $job: $rate txn/s" >&2
+	printf '[sqlite.sh %s] %s round %s %s: %.1f txn/s\n' "$(date +%H:%M:%S)" "$side" "$round" "$job" "$rate" >&2
 }
 
-JOBS="wal delete delete-2node"
+JOBS="wal wal-reused delete delete-2node"
 for r in $(seq "$ROUNDS"); do
 	if [ $((r % 2)) = 1 ]; then order=(a local b); else order=(b local a); fi
 	for side in "${order[@]}"; do
@@ -119,7 +124,7 @@ print(f"| job | local disk | etcfs {la} | etcfs {lb} | {lb} / {la} | {la} / loca
 print("|---|---|---|---|---|---|---|")
 cell = lambda s, j: f"{statistics.median(R[(s, j)]):,.0f} ({min(R[(s, j)]):,.0f}–{max(R[(s, j)]):,.0f})"
 med = lambda s, j: statistics.median(R[(s, j)])
-for job in ("wal", "delete", "delete-2node"):
+for job in ("wal", "wal-reused", "delete", "delete-2node"):
     print(f"| {job} | {cell('local', job)} | {cell('a', job)} | {cell('b', job)} "
           f"| {med('b', job) / med('a', job):.2f}x | {med('a', job) / med('local', job):.3f}x "
           f"| {med('b', job) / med('local', job):.3f}x |")

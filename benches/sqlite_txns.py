@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """SQLite transactions on one database file: the rate a database's commits reach.
 
-usage: sqlite_txns.py DB MODE N [--worker ID] [--init]
+usage: sqlite_txns.py DB MODE N [--worker ID] [--init] [--warm W]
   MODE: wal or delete (SQLite's journal modes), synchronous=FULL either way.
   --init: create the database (table t) and exit (the runs create it too).
+  --warm W: W transactions first, not timed, on the same connection: past SQLite's
+  automatic checkpoint (1,000 pages) a WAL is written again from its start, in place,
+  as a long-running database's is; before that every commit appends to it.
   Each transaction inserts one row (key ID * 10**9 + i, 100 random bytes), with
   BEGIN IMMEDIATE so that two processes (or nodes) writing at once wait for each
   other's locks (busy_timeout 60 s) instead of failing.
@@ -29,6 +32,11 @@ def main():
     c.execute("create table if not exists t (k integer primary key, v blob)")
     if "--init" in sys.argv:
         return
+    warm = int(sys.argv[sys.argv.index("--warm") + 1]) if "--warm" in sys.argv else 0
+    for i in range(warm):
+        c.execute("begin immediate")
+        c.execute("insert into t values (?, ?)", (worker * 10**9 + n + i, os.urandom(100)))
+        c.execute("commit")
     t0 = time.monotonic()
     for i in range(n):
         c.execute("begin immediate")
