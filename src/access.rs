@@ -188,12 +188,29 @@ fn read_password(path: &Path) -> Result<String> {
 mod tests {
     use super::*;
 
-    fn tmp(name: &str, contents: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("etcfs-access-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
-        std::fs::write(&p, contents).unwrap();
-        p
+    /// A test's own directory of credential files, removed when the test ends (pass or
+    /// fail), so repeated runs leave nothing behind in /tmp.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(test: &str) -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("etcfs-access-{test}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        fn file(&self, name: &str, contents: &str) -> PathBuf {
+            let p = self.0.join(name);
+            std::fs::write(&p, contents).unwrap();
+            p
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 
     fn eps(e: &[&str]) -> Vec<String> {
@@ -217,15 +234,16 @@ mod tests {
 
     #[test]
     fn tls_rules() {
-        let ca = tmp(
+        let scratch = Scratch::new("tls");
+        let ca = scratch.file(
             "ca.pem",
             "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
         );
-        let key = tmp(
+        let key = scratch.file(
             "k.pem",
             "-----BEGIN PRIVATE KEY-----\nx\n-----END PRIVATE KEY-----\n",
         );
-        let junk = tmp("junk.pem", "hello\n");
+        let junk = scratch.file("junk.pem", "hello\n");
         let none = EtcdAccess::default();
         assert!(err(&none, &["https://h:1"], None).contains("need --etcd-cacert"));
         let with_ca = EtcdAccess {
@@ -267,7 +285,8 @@ mod tests {
 
     #[test]
     fn password_comes_from_file_or_env_and_is_never_shown() {
-        let file = tmp("pw", "s3cret-file\n");
+        let scratch = Scratch::new("pw");
+        let file = scratch.file("pw", "s3cret-file\n");
         let user = EtcdAccess {
             etcd_user: Some("alice".into()),
             ..Default::default()

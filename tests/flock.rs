@@ -13,7 +13,8 @@ mod common;
 
 use std::{
     fs,
-    io::{BufRead as _, BufReader, Write as _},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    os::unix::fs::OpenOptionsExt as _,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
     sync::{
@@ -38,6 +39,8 @@ const WOKEN_WITHIN: Duration = Duration::from_millis(600);
 ///   lk [ofd]setlk|[ofd]setlkw|[ofd]getlk r|w|u START LEN
 ///      (getlk answers `ok u` or `ok r|w START LEN PID`; ofd: the F_OFD_* commands)
 ///   flock sh|ex|un|shnb|exnb
+///   count N (N times: F_SETLKW the whole file, add one to the 8-byte counter at its
+///      start, unlock)
 const LOCKER_C: &str = r#"
 #define _GNU_SOURCE
 #include <errno.h>
@@ -93,6 +96,24 @@ int main(void) {
             if (fl.l_type == F_UNLCK) printf("ok u\n");
             else printf("ok %c %lld %lld %d\n", fl.l_type == F_RDLCK ? 'r' : 'w',
                         (long long)fl.l_start, (long long)fl.l_len, (int)fl.l_pid);
+        } else if (sscanf(line, "count %lld", &x) == 1) {
+            long long i, v;
+            int bad = 0;
+            for (i = 0; i < x && !bad; i++) {
+                struct flock fl;
+                memset(&fl, 0, sizeof fl);
+                fl.l_type = F_WRLCK;
+                fl.l_whence = SEEK_SET;
+                if (fcntl(fd, F_SETLKW, &fl) != 0) { bad = 1; break; }
+                v = 0;
+                ssize_t n = pread(fd, &v, sizeof v, 0);
+                if (n != 0 && n != (ssize_t)sizeof v) { bad = 1; break; }
+                v++;
+                if (pwrite(fd, &v, sizeof v, 0) != (ssize_t)sizeof v) { bad = 1; break; }
+                fl.l_type = F_UNLCK;
+                if (fcntl(fd, F_SETLK, &fl) != 0) bad = 1;
+            }
+            if (bad) fail(); else printf("ok\n");
         } else if (sscanf(line, "flock %63s", b) == 1) {
             int op = !strncmp(b, "sh", 2) ? LOCK_SH : !strncmp(b, "ex", 2) ? LOCK_EX : LOCK_UN;
             if (strstr(b, "nb")) op |= LOCK_NB;
@@ -459,4 +480,80 @@ fn a_dead_nodes_locks_go_with_its_lease() {
     // B's unmount deletes its own locks at once.
     b.stop();
     assert_eq!(fs.etcd_key_count("B"), 0);
+}
+
+#[test]
+fn two_nodes_counting_under_one_lock_lose_no_increment() {
+    let Some((_fs, a, b)) = two_nodes("lock_counter") else {
+        return;
+    };
+    let (pa, pb) = shared_file(&a, &b, "counter");
+    let mut la = Locker::on(&pa);
+    let mut lb = Locker::on(&pb);
+    // A alone first: the file's locks are delegated to A. Then both at once: B's first
+    // lock recalls the delegation, and every increment after it takes the lock (and the
+    // file's data) from the other node or from etcd.
+    const EACH: u64 = 150;
+    assert_eq!(la.cmd("count 20"), "ok");
+    la.send(&format!("count {EACH}"));
+    lb.send(&format!("count {EACH}"));
+    let deadline = Duration::from_secs(120);
+    assert_eq!(la.answer(deadline).as_deref(), Some("ok"), "A's increments");
+    assert_eq!(lb.answer(deadline).as_deref(), Some("ok"), "B's increments");
+    // The counter starts as the first 8 bytes shared_file wrote. Read three ways: through
+    // each node's page cache, and from the device under A's page cache (O_DIRECT), so a
+    // failure says whether increments were lost or a node's cache was left stale.
+    let base = u64::from_le_bytes(*b"01234567");
+    let cached = |p: &Path| {
+        let v = fs::read(p).expect("read the counter");
+        u64::from_le_bytes(v[..8].try_into().expect("8 bytes")).wrapping_sub(base)
+    };
+    let direct = {
+        let mut f = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&pa)
+            .expect("open the counter O_DIRECT");
+        let mut buf = vec![0u8; 8192];
+        let n = f.read(&mut buf).expect("read the counter O_DIRECT");
+        assert_eq!(n, 10, "the counter file's size");
+        u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")).wrapping_sub(base)
+    };
+    let seen = (cached(&pa), cached(&pb), direct);
+    let want = 20 + 2 * EACH;
+    assert_eq!(seen, (want, want, want), "(A cached, B cached, A direct)");
+    let counter = |d: &Daemon, name: &str| d.stats_json()["counters"][name].as_u64().unwrap_or(0);
+    assert!(
+        counter(&a, "plocks_delegations_taken") >= 1
+            && counter(&a, "plocks_delegations_returned") >= 1,
+        "A's delegation was taken and recalled: {}",
+        a.stats_json()["counters"]
+    );
+}
+
+#[test]
+fn a_dead_delegation_holders_locks_go_with_its_lease() {
+    let Some((fs, a, b)) = two_nodes("dead_delegate") else {
+        return;
+    };
+    let (pa, pb) = shared_file(&a, &b, "f");
+    let mut la = Locker::on(&pa);
+    assert_eq!(la.cmd("lk setlk w 0 0"), "ok");
+    // Delegated: etcd holds the delegation record alone, A's lock is in its memory.
+    assert_eq!(fs.etcd_key_count("B"), 1);
+    let t = Instant::now();
+    assert!(a.crash(), "A was running");
+    // B's lock recalls a delegation nobody answers for: it waits until the lease of the
+    // dead node ends (10 s) and its records go, then takes the lock, never sooner.
+    let mut lb = Locker::on(&pb);
+    assert_eq!(lb.cmd("lk setlk w 0 1"), "ok", "after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_secs(5) && t.elapsed() < Duration::from_secs(25),
+        "{:?}",
+        t.elapsed()
+    );
+    // A process's own locks never conflict with it: ask from another process on B.
+    let mut other = Locker::on(&pb);
+    assert_eq!(other.cmd("lk getlk w 0 0"), format!("ok w 0 1 {}", lb.pid));
+    drop(la);
 }
