@@ -574,6 +574,7 @@ impl Handler for EtcFs {
             ("data_writes_on_waiter", &d.writes_on_waiter),
             ("frees_unlogged", &d.frees_unlogged),
             ("mtime_commits_relocked", &d.mtime_commits_relocked),
+            ("rmw_blocks_kept", &d.rmw_blocks_kept),
         ] {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }

@@ -617,6 +617,9 @@ struct DataCounters {
     /// Overwrite mtimes written again holding the file's lock: their commit without it
     /// found the inode changed (`Inner::persist_mtime`).
     mtime_commits_relocked: AtomicU64,
+    /// Read-modify-writes that found the block's old contents in the file's
+    /// [`files::RecentBlocks`] instead of reading the device.
+    rmw_blocks_kept: AtomicU64,
 }
 
 /// The device I/O of the waiters and the daemon's own threads (what goes through
@@ -1588,6 +1591,7 @@ fn plan_overwrite(
         return None;
     }
     let segments = overwrite_segments(f.extents.as_ref()?, f.attr.size, off, len, fd)?;
+    f.recent.forget(off, len as u64);
     f.touch_overwrite();
     Some((segments, st.begin_io(f)))
 }

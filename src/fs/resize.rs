@@ -83,6 +83,8 @@ impl Inner {
     ) -> Result<InodeAttr, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
+        // Its tail block is zeroed on the device and those past it freed.
+        f.recent.clear();
         let mut pending = self.commit_pending_locked(st, &mut f)?;
         let old = f.attr.size;
         let keep_to = size.next_multiple_of(BLOCK_SIZE);
@@ -245,6 +247,7 @@ impl Inner {
     ) -> Result<Done, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
+        f.recent.clear();
         // Its extents are read back from etcd's view below: pending writes first.
         for o in self.commit_pending_locked(st, &mut f)? {
             self.after_commit_unlocked(&o);
@@ -341,6 +344,7 @@ impl Inner {
     pub(super) fn punch(&self, st: &FileState, off: u64, end: u64) -> Result<Done, Errno> {
         let mut f = st.lock();
         st.wait_io(&f);
+        f.recent.clear();
         for o in self.commit_pending_locked(st, &mut f)? {
             self.after_commit_unlocked(&o);
         }

@@ -279,6 +279,7 @@ impl Inner {
             if b.file_off < plan.block_off {
                 // The old EOF block before the write: zero its tail in place.
                 if let Some(dev_off) = b.old_dev_off {
+                    f.recent.forget(b.file_off, BLOCK_SIZE);
                     let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
                     let r = io.read_at(&mut blk, dev_off).and_then(|()| {
                         blk[b.keep_bytes as usize..].fill(0);
@@ -294,12 +295,19 @@ impl Inner {
             let at = (b.file_off - plan.block_off) as usize;
             let slot = &mut buf[at..at + BLOCK_SIZE as usize];
             if let Some(dev_off) = b.old_dev_off {
-                let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
-                if let Err(e) = io.read_at(&mut blk, dev_off) {
-                    self.unalloc(&allocated);
-                    return Err(errno::dev(&e));
+                if let Some(kept) = f.recent.get(b.file_off, dev_off) {
+                    slot.copy_from_slice(kept);
+                    self.data_counters
+                        .rmw_blocks_kept
+                        .fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
+                    if let Err(e) = io.read_at(&mut blk, dev_off) {
+                        self.unalloc(&allocated);
+                        return Err(errno::dev(&e));
+                    }
+                    slot.copy_from_slice(&blk[..BLOCK_SIZE as usize]);
                 }
-                slot.copy_from_slice(&blk[..BLOCK_SIZE as usize]);
             }
             slot[b.keep_bytes as usize..].fill(0);
         }
@@ -335,6 +343,8 @@ impl Inner {
                 }
             }
         }
+        // What the device holds in this range is unknown until every write below succeeded.
+        f.recent.forget(plan.block_off, plan.block_len);
         let mut reqs_res = Ok(());
         for e in &new_map {
             let at = (e.file_off - plan.block_off) as usize;
@@ -356,6 +366,10 @@ impl Inner {
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
+        if !plan.rmw.is_empty() {
+            // Dropped again below if the map does not take the new blocks.
+            keep_edges(&mut f.recent, &plan, &new_map, &buf);
+        }
         if !needs_commit {
             // An overwrite of written blocks inside EOF: no metadata changes but mtime,
             // written at FLUSH/FSYNC/RELEASE. No etcd round trip.
@@ -372,7 +386,9 @@ impl Inner {
             // Write-behind: the map and attributes here show the write now; etcd gets it
             // with the file's next commit (see the module docs).
             let range = (plan.block_off, plan.block_len);
-            let outs = self.add_pending(&st, &mut f, range, &merged, allocated, end, now)?;
+            let outs = self
+                .add_pending(&st, &mut f, range, &merged, allocated, end, now)
+                .inspect_err(|_| f.recent.clear())?;
             let suid = kill_suid && killed_perm(f.attr.perm) != f.attr.perm;
             drop(f);
             outs.iter().for_each(|o| self.after_commit_unlocked(o));
@@ -384,6 +400,7 @@ impl Inner {
         // A map too large to cache has no room for pending extents: commit now.
         // Invariant 1: the data is durable before an extent points at it.
         if let Err(e) = io.flush() {
+            f.recent.clear();
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
@@ -399,6 +416,7 @@ impl Inner {
         let out = match self.commit_allocation_locked(&mut f, m, &allocated) {
             Ok(o) => o,
             Err(e) => {
+                f.recent.clear();
                 self.unalloc_unless_maybe_applied(&allocated, e);
                 return Err(e);
             }
@@ -643,6 +661,7 @@ impl Inner {
         f.extents = None;
         f.map_too_big = false;
         f.windows.clear();
+        f.recent.clear();
         f.attr.size = p.committed_size;
         // The next etcd read of the attributes replaces them.
         f.attr_rev = 0;
@@ -691,6 +710,28 @@ impl Inner {
                 }
                 Err(e) => log::warn!("committing aged pending writes of inode {ino}: {e}"),
             }
+        }
+    }
+}
+
+/// Keeps the first and last blocks of a write that read-modify-wrote (`buf`, the image of
+/// the plan's block range, now on the device where `new_map` puts it) for the next small
+/// write into them ([`files::RecentBlocks`]).
+fn keep_edges(
+    recent: &mut files::RecentBlocks,
+    plan: &dplan::WritePlan,
+    new_map: &[FileExtent],
+    buf: &[u8],
+) {
+    let last = plan.block_off + plan.block_len - BLOCK_SIZE;
+    for block in [plan.block_off, last] {
+        let dev_off = new_map
+            .iter()
+            .find(|e| e.file_off <= block && block < e.file_off + e.len)
+            .map(|e| e.dev_off + (block - e.file_off));
+        if let Some(dev_off) = dev_off {
+            let at = (block - plan.block_off) as usize;
+            recent.put(block, dev_off, &buf[at..at + BLOCK_SIZE as usize]);
         }
     }
 }

@@ -253,6 +253,13 @@ pub(crate) const DESCS: &[Desc] = &[
          write leaks them until fsck).",
     ),
     counter(
+        "rmw_blocks_kept",
+        "etcfs_rmw_blocks_kept",
+        &[],
+        "Partial-block writes that merged into this node's copy of the block they last \
+         wrote instead of reading it back from the device.",
+    ),
+    counter(
         "mtime_commits_relocked",
         "etcfs_mtime_commits_relocked",
         &[],
