@@ -231,10 +231,11 @@ impl std::fmt::Debug for Hold {
     }
 }
 
-/// A WRITE served from the request's own buffer: each segment goes from the WRITE's data to
-/// the device with no copy, and once all completed the reply says `written` bytes (any
-/// failure or short write answers EIO). Returned only when [`RequestCtx::io_plans`] is true;
-/// for O_DIRECT, keep `src`, `offset` and `len` block-aligned.
+/// A WRITE served from the request's own buffer (or from `image`): each segment goes from
+/// the WRITE's data to the device with no copy, and once all completed the reply says
+/// `written` bytes (any failure or short write answers EIO). Returned only when
+/// [`RequestCtx::io_plans`] is true; for O_DIRECT, keep `src`, `offset` and `len`
+/// block-aligned.
 #[derive(Debug)]
 pub struct WritePlan {
     /// Device writes, issued together.
@@ -243,6 +244,10 @@ pub struct WritePlan {
     pub written: u32,
     /// Dropped when the writes are over.
     pub hold: Option<Hold>,
+    /// Where the segments' bytes are when not in the WRITE's data: blocks the handler
+    /// built around a write that covers them in part. The transport keeps it until the
+    /// writes are over.
+    pub image: Option<uring::AlignedBuf>,
 }
 
 /// One device write of a [`WritePlan`].
@@ -259,8 +264,10 @@ pub struct WriteSegment {
 }
 
 impl WritePlan {
-    /// Whether every segment lies inside `data_len` bytes of WRITE data.
+    /// Whether every segment lies inside `data_len` bytes of WRITE data (inside the image
+    /// when there is one).
     pub fn fits(&self, data_len: usize) -> bool {
+        let data_len = self.image.as_ref().map_or(data_len, |img| img.len());
         self.segments.iter().all(|s| {
             s.src
                 .checked_add(s.len)

@@ -269,7 +269,7 @@ impl EtcFs {
                 let append = flags & libc::O_APPEND as u32 != 0;
                 let counters = &self.inner.data_counters;
                 if ctx.io_plans() && !append {
-                    if let Some(r) = self.write_fast(ino, offset, data.len(), kill) {
+                    if let Some(r) = self.write_fast(ino, offset, data, kill) {
                         counters.writes_on_core.fetch_add(1, Ordering::Relaxed);
                         return r;
                     }
@@ -482,24 +482,39 @@ impl EtcFs {
 }
 
 impl EtcFs {
-    /// WRITE on the core, from the request's buffer straight to the device, when it is a
-    /// whole-block overwrite of written blocks inside EOF of a file whose map is cached and
-    /// whose lock is free: nothing but mtime changes (written at FLUSH/FSYNC/RELEASE), so
-    /// no etcd, no copy and no waiter. Everything else takes [`Inner::write`].
-    fn write_fast(&self, ino: u64, off: u64, len: usize, kill_suid: bool) -> Option<Reply> {
+    /// WRITE on the core, straight to the device, when it overwrites written blocks inside
+    /// EOF of a file whose map is cached and whose lock is free: nothing but mtime changes
+    /// (written at FLUSH/FSYNC/RELEASE), so no etcd and no waiter. Whole blocks go from the
+    /// request's buffer with no copy; a write that covers its first or last block in part
+    /// goes as the blocks built from this node's copies of them
+    /// ([`files::RecentBlocks`]). Everything else takes [`Inner::write`].
+    fn write_fast(&self, ino: u64, off: u64, data: &[u8], kill_suid: bool) -> Option<Reply> {
         // No fence check here: the transport asks `device_io_allowed` right before it
         // queues the writes.
         let fd = self.inner.dev.fd()?;
+        let written = u32::try_from(data.len()).ok()?;
         let _held = self.inner.locks.try_hold(ino, LockMode::Exclusive)?;
         let st = self.inner.files.get(ino)?;
         let mut f = st.try_lock_briefly()?;
-        let (segments, io) = plan_overwrite(&st, &mut f, off, len, kill_suid, fd)?;
+        let (segments, io, image) =
+            match plan_overwrite(&st, &mut f, off, data.len(), kill_suid, fd) {
+                Some((segments, io)) => (segments, io, None),
+                None => {
+                    let m = plan_merged_overwrite(&st, &mut f, off, data, kill_suid, fd)?;
+                    self.inner
+                        .data_counters
+                        .rmw_blocks_kept
+                        .fetch_add(m.kept, Ordering::Relaxed);
+                    (m.segments, m.io, Some(m.image))
+                }
+            };
         let hold = Hold::new(io);
         drop(f);
         Some(Reply::Write(WritePlan {
             segments,
-            written: u32::try_from(len).ok()?,
+            written,
             hold: Some(hold),
+            image,
         }))
     }
 }

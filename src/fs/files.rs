@@ -320,6 +320,12 @@ impl FileState {
         IoInFlight(self.clone())
     }
 
+    /// Whether a fast-path I/O of the file is in flight. Call it holding the lock (none can
+    /// start meanwhile).
+    pub(crate) fn io_busy(&self, _held: &FileInner) -> bool {
+        self.io_in_flight.load(Ordering::Acquire) > 0
+    }
+
     /// Waits, holding the lock, until no fast-path I/O of the file is in flight. They run
     /// on the cores' rings and take microseconds to milliseconds; no lock is needed to
     /// finish them, so this cannot deadlock. Never call it on a core thread.

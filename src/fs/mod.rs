@@ -1596,6 +1596,91 @@ fn plan_overwrite(
     Some((segments, st.begin_io(f)))
 }
 
+/// An overwrite that covers its first or last block in part, on a core: the blocks it
+/// touches built from this node's copies of its partial edge blocks and `data`, and their
+/// device writes from that image. `None` unless every block is written and inside EOF, each
+/// partial edge block is kept ([`files::RecentBlocks`]), and no other device I/O of the
+/// file is in flight: two writes of one block in flight at once may land in either order,
+/// and each carries the whole block. The copies become the blocks as this write leaves
+/// them. Should the write fail, they keep its bytes, as a page cache keeps a write its
+/// write-back failed, and the next write into the block carries them.
+fn plan_merged_overwrite(
+    st: &Arc<files::FileState>,
+    f: &mut files::FileInner,
+    off: u64,
+    data: &[u8],
+    kill_suid: bool,
+    fd: RawFd,
+) -> Option<MergedOverwrite> {
+    if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
+        return None;
+    }
+    let end = off.checked_add(data.len() as u64)?;
+    if data.is_empty() || end > f.attr.size || st.io_busy(f) {
+        return None;
+    }
+    let block_off = off - off % BLOCK_SIZE;
+    let block_end = end.next_multiple_of(BLOCK_SIZE);
+    if block_end > f.attr.size {
+        // The block holding EOF: its bytes past EOF must stay zeros; the waiter sees to it.
+        return None;
+    }
+    let block_len = block_end - block_off;
+    let segments = overwrite_segments(
+        f.extents.as_ref()?,
+        f.attr.size,
+        block_off,
+        usize::try_from(block_len).ok()?,
+        fd,
+    )?;
+    let dev_of = |block: u64| {
+        let at = block - block_off;
+        segments
+            .iter()
+            .find(|s| (s.src as u64) <= at && at < (s.src + s.len) as u64)
+            .map(|s| s.offset + (at - s.src as u64))
+    };
+    let last = block_end - BLOCK_SIZE;
+    let mut edges = Vec::with_capacity(2);
+    if off != block_off {
+        edges.push(block_off);
+    }
+    if end != block_end && !edges.contains(&last) {
+        edges.push(last);
+    }
+    let mut image = AlignedBuf::new(usize::try_from(block_len).ok()?);
+    for &block in &edges {
+        let kept = f.recent.get(block, dev_of(block)?)?;
+        let at = (block - block_off) as usize;
+        image[at..at + BLOCK_SIZE as usize].copy_from_slice(kept);
+    }
+    let d = (off - block_off) as usize;
+    image[d..d + data.len()].copy_from_slice(data);
+    f.recent.forget(block_off, block_len);
+    for block in [block_off, last] {
+        let at = (block - block_off) as usize;
+        f.recent
+            .put(block, dev_of(block)?, &image[at..at + BLOCK_SIZE as usize]);
+    }
+    f.touch_overwrite();
+    Some(MergedOverwrite {
+        segments,
+        io: st.begin_io(f),
+        image,
+        kept: edges.len() as u64,
+    })
+}
+
+/// What [`plan_merged_overwrite`] plans.
+struct MergedOverwrite {
+    /// Device writes from `image`.
+    segments: Vec<WriteSegment>,
+    io: files::IoInFlight,
+    image: AlignedBuf,
+    /// Edge blocks taken from this node's copies.
+    kept: u64,
+}
+
 /// The device writes of a whole-block overwrite of `[off, off + len)`, when every block of
 /// it is inside `size` and mapped to written (not unwritten) space; `None` otherwise (the
 /// write then needs allocation, read-modify-write or a commit).

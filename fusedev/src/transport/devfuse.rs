@@ -244,7 +244,8 @@ impl<'a> Worker<'a> {
 
     fn push(&mut self, sqe: &squeue::Entry) -> bool {
         // SAFETY: callers pass SQEs whose memory is owned by a slot that stays in its
-        // current state (and so untouched) until the completion is reaped.
+        // current state (and so untouched) until the completion is reaped, or by a write
+        // plan's image, which `holds` keeps for the slot until then.
         match unsafe { self.ring.push(sqe) } {
             Ok(()) => true,
             Err(e) => {
@@ -488,15 +489,21 @@ impl<'a> Worker<'a> {
                 progress.segment_queued(seg.len, false);
                 continue;
             }
-            let start = data_at + seg.src;
-            let buf = self.slots[idx].inbuf[start..start + seg.len].as_ptr();
+            // The image's heap block stays where it is while `holds` keeps the image.
+            let buf = match &plan.image {
+                Some(img) => img[seg.src..seg.src + seg.len].as_ptr(),
+                None => {
+                    let start = data_at + seg.src;
+                    self.slots[idx].inbuf[start..start + seg.len].as_ptr()
+                }
+            };
             let sqe = opcode::Write::new(types::Fd(seg.fd), buf, seg.len as u32)
                 .offset(seg.offset)
                 .build()
                 .user_data(TAG_FILE_READ | idx as u64);
             progress.segment_queued(seg.len, self.push(&sqe));
         }
-        self.holds[idx] = plan.hold;
+        self.holds[idx] = super::keep_until_written(plan.hold, plan.image);
         self.await_io(idx, p, progress);
     }
 

@@ -831,6 +831,18 @@ pub(crate) fn dispatch(
     }
 }
 
+/// What a transport keeps until a write plan's device writes are over: the handler's hold
+/// and the image the writes read from.
+pub(crate) fn keep_until_written(
+    hold: Option<crate::server::Hold>,
+    image: Option<uring::AlignedBuf>,
+) -> Option<crate::server::Hold> {
+    match image {
+        Some(img) => Some(crate::server::Hold::new((hold, img))),
+        None => hold,
+    }
+}
+
 fn write_plan_fits(req: &Request<'_>, plan: &WritePlan) -> bool {
     match req.op {
         Operation::Write { data, .. } => plan.fits(data.len()),

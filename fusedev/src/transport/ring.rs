@@ -812,20 +812,23 @@ impl<'a> Worker<'a> {
                 progress.segment_queued(seg.len, false);
                 continue;
             }
-            let buf = e.payload[seg.src..seg.src + seg.len].as_ptr();
+            let from = plan.image.as_deref().unwrap_or(&e.payload);
+            let buf = from[seg.src..seg.src + seg.len].as_ptr();
             let sqe = self
                 .fixed
                 .write(seg.fd, buf, seg.len as u32, seg.offset)
                 .user_data(TAG_DATA_IO | idx as u64);
             // SAFETY: the range lies inside the payload (`dispatch` checked the plan against
-            // the WRITE's data, which is the payload's start), and the entry stays in
-            // `DeviceIo`, its payload untouched, until every write completes.
+            // the WRITE's data, which is the payload's start) or inside the plan's image,
+            // whose heap block does not move when the image is moved into `holds` below;
+            // the entry stays in `DeviceIo`, its payload untouched and the image held,
+            // until every write completes.
             let queued = unsafe { self.ring.push(&Entry128::from(sqe)) }.is_ok();
             self.device_ios += usize::from(queued);
             self.device_queued |= queued;
             progress.segment_queued(seg.len, queued);
         }
-        self.holds[idx] = plan.hold;
+        self.holds[idx] = super::keep_until_written(plan.hold, plan.image);
         self.await_io(idx, p, progress);
     }
 
