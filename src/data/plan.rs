@@ -247,6 +247,25 @@ fn written_block(extents: &[FileExtent], file_off: u64) -> Option<u64> {
     (e.file_off <= file_off && !e.unwritten).then(|| e.dev_off + (file_off - e.file_off))
 }
 
+/// How many of the `max` blocks after the one at `block` (written, at `dev_off`) follow it
+/// on the device as written data inside `file_size`: what one device read of the block can
+/// bring along, for the writes that continue past it (a log's next records).
+pub(crate) fn written_run_after(
+    extents: &[FileExtent],
+    file_size: u64,
+    block: u64,
+    dev_off: u64,
+    max: u64,
+) -> u64 {
+    (1..=max)
+        .take_while(|k| {
+            let at = block + k * BLOCK_SIZE;
+            at + BLOCK_SIZE <= file_size
+                && written_block(extents, at) == Some(dev_off + k * BLOCK_SIZE)
+        })
+        .count() as u64
+}
+
 fn rmw_block(extents: &[FileExtent], file_size: u64, block: u64) -> RmwBlock {
     let keep_bytes = file_size.saturating_sub(block).min(BLOCK_SIZE);
     let old_dev_off = if keep_bytes == 0 {
@@ -350,6 +369,29 @@ pub(crate) fn plan_write(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn written_run_after_stops_at_a_gap_unwritten_space_or_eof() {
+        let b = BLOCK_SIZE;
+        let ext = |file_off: u64, len: u64, dev_off: u64, unwritten: bool| FileExtent {
+            file_off: file_off * b,
+            len: len * b,
+            dev_off: dev_off * b,
+            unwritten,
+        };
+        // Blocks 0-3 at 100-103, 4-5 at 200-201 (elsewhere), 6 unwritten at 202.
+        let map = [
+            ext(0, 4, 100, false),
+            ext(4, 2, 200, false),
+            ext(6, 1, 202, true),
+        ];
+        assert_eq!(written_run_after(&map, 7 * b, 0, 100 * b, 8), 3);
+        assert_eq!(written_run_after(&map, 7 * b, 0, 100 * b, 2), 2);
+        assert_eq!(written_run_after(&map, 7 * b, 4 * b, 200 * b, 8), 1);
+        // EOF inside block 2: only whole blocks before it come along.
+        assert_eq!(written_run_after(&map, 2 * b + 10, 0, 100 * b, 8), 1);
+        assert_eq!(written_run_after(&map, 7 * b, 3 * b, 103 * b, 8), 0);
+    }
     use rand::{rngs::SmallRng, Rng, SeedableRng};
 
     const B: u64 = BLOCK_SIZE;

@@ -10,7 +10,7 @@
 use std::{
     collections::{HashMap, HashSet},
     sync::{
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicU32, AtomicUsize, Ordering},
         Arc, Mutex, MutexGuard, PoisonError,
     },
     time::Instant,
@@ -63,15 +63,24 @@ pub(crate) struct FileInner {
     pub(crate) recent: RecentBlocks,
 }
 
-/// Blocks kept by [`RecentBlocks`] per open file.
-pub(crate) const RECENT_BLOCKS_MAX: usize = 4;
+/// Blocks kept by [`RecentBlocks`] per open file: the two edges of the last write and the
+/// blocks its device read brought along ([`RECENT_READ_AHEAD`]).
+pub(crate) const RECENT_BLOCKS_MAX: usize = 12;
+/// Blocks past a read-modify-written block read with it, when they follow it on the device
+/// as written data: a log's next records land in them, each merging into its copy on the
+/// core instead of reading a block on a waiter.
+pub(crate) const RECENT_READ_AHEAD: u64 = 8;
+/// Blocks kept by every open file together (64 MiB); past it nothing more is kept until
+/// some are let go.
+const RECENT_BLOCKS_TOTAL_MAX: usize = 16384;
+static RECENT_BLOCKS_TOTAL: AtomicUsize = AtomicUsize::new(0);
 
 /// The first and last blocks of the latest writes that read-modify-wrote, exactly as they
-/// now are on the device, so that the next small write into one of them merges into this
-/// copy instead of reading the block back. SQLite's WAL writes each frame as a 24-byte
-/// header and then a page, both unaligned, each into the block the one before it ended
-/// in: a device read per write (191 µs for the header against 65 µs for an aligned 4 KiB
-/// overwrite, docs/benchmarks.md).
+/// now are on the device, and the blocks their device reads brought along, so that the
+/// next small write into one of them merges into this copy instead of reading the block
+/// back. SQLite's WAL writes each frame as a 24-byte header and then a page, both
+/// unaligned, each into the block the one before it ended in: a device read per write (191
+/// µs for the header against 65 µs for an aligned 4 KiB overwrite, docs/benchmarks.md).
 ///
 /// A copy is right only while nothing else writes its block. This node writes a file's
 /// blocks only under the file's mutex, where every other writer of a block forgets it
@@ -98,13 +107,19 @@ impl RecentBlocks {
             .map(|b| &*b.data)
     }
 
-    /// Keeps `data`, the whole block at `file_off` just written to `dev_off`, in place of
-    /// any older copy of it; the oldest goes past [`RECENT_BLOCKS_MAX`].
+    /// Keeps `data`, the whole block at `file_off` as it is at `dev_off`, in place of any
+    /// older copy of it; the oldest goes past [`RECENT_BLOCKS_MAX`], and nothing new is
+    /// kept past [`RECENT_BLOCKS_TOTAL_MAX`].
     pub(crate) fn put(&mut self, file_off: u64, dev_off: u64, data: &[u8]) {
         debug_assert_eq!(data.len() as u64, crate::data::BLOCK_SIZE);
-        self.0.retain(|b| b.file_off != file_off);
+        self.forget(file_off, 1);
         if self.0.len() >= RECENT_BLOCKS_MAX {
             self.0.pop_front();
+            RECENT_BLOCKS_TOTAL.fetch_sub(1, Ordering::Relaxed);
+        }
+        if RECENT_BLOCKS_TOTAL.fetch_add(1, Ordering::Relaxed) >= RECENT_BLOCKS_TOTAL_MAX {
+            RECENT_BLOCKS_TOTAL.fetch_sub(1, Ordering::Relaxed);
+            return;
         }
         self.0.push_back(RecentBlock {
             file_off,
@@ -116,13 +131,22 @@ impl RecentBlocks {
     /// Drops the copies of blocks overlapping file bytes `[off, off + len)`.
     pub(crate) fn forget(&mut self, off: u64, len: u64) {
         let end = off.saturating_add(len);
+        let before = self.0.len();
         self.0.retain(|b| {
             b.file_off.saturating_add(crate::data::BLOCK_SIZE) <= off || b.file_off >= end
         });
+        RECENT_BLOCKS_TOTAL.fetch_sub(before - self.0.len(), Ordering::Relaxed);
     }
 
     pub(crate) fn clear(&mut self) {
+        RECENT_BLOCKS_TOTAL.fetch_sub(self.0.len(), Ordering::Relaxed);
         self.0.clear();
+    }
+}
+
+impl Drop for RecentBlocks {
+    fn drop(&mut self) {
+        self.clear();
     }
 }
 

@@ -301,12 +301,34 @@ impl Inner {
                         .rmw_blocks_kept
                         .fetch_add(1, Ordering::Relaxed);
                 } else {
-                    let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
+                    // The write's last block: the blocks after it come along in the same
+                    // read when they follow it on the device, for the writes after this one.
+                    let ahead = match f.extents.as_deref() {
+                        Some(map) if b.file_off + BLOCK_SIZE == plan.block_off + plan.block_len => {
+                            dplan::written_run_after(
+                                map,
+                                f.attr.size,
+                                b.file_off,
+                                dev_off,
+                                files::RECENT_READ_AHEAD,
+                            )
+                        }
+                        _ => 0,
+                    };
+                    let mut blk = AlignedBuf::new(((1 + ahead) * BLOCK_SIZE) as usize);
                     if let Err(e) = io.read_at(&mut blk, dev_off) {
                         self.unalloc(&allocated);
                         return Err(errno::dev(&e));
                     }
                     slot.copy_from_slice(&blk[..BLOCK_SIZE as usize]);
+                    for k in 1..=ahead {
+                        let at = (k * BLOCK_SIZE) as usize;
+                        f.recent.put(
+                            b.file_off + k * BLOCK_SIZE,
+                            dev_off + k * BLOCK_SIZE,
+                            &blk[at..at + BLOCK_SIZE as usize],
+                        );
+                    }
                 }
             }
             slot[b.keep_bytes as usize..].fill(0);
