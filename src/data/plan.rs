@@ -369,29 +369,6 @@ pub(crate) fn plan_write(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn written_run_after_stops_at_a_gap_unwritten_space_or_eof() {
-        let b = BLOCK_SIZE;
-        let ext = |file_off: u64, len: u64, dev_off: u64, unwritten: bool| FileExtent {
-            file_off: file_off * b,
-            len: len * b,
-            dev_off: dev_off * b,
-            unwritten,
-        };
-        // Blocks 0-3 at 100-103, 4-5 at 200-201 (elsewhere), 6 unwritten at 202.
-        let map = [
-            ext(0, 4, 100, false),
-            ext(4, 2, 200, false),
-            ext(6, 1, 202, true),
-        ];
-        assert_eq!(written_run_after(&map, 7 * b, 0, 100 * b, 8), 3);
-        assert_eq!(written_run_after(&map, 7 * b, 0, 100 * b, 2), 2);
-        assert_eq!(written_run_after(&map, 7 * b, 4 * b, 200 * b, 8), 1);
-        // EOF inside block 2: only whole blocks before it come along.
-        assert_eq!(written_run_after(&map, 2 * b + 10, 0, 100 * b, 8), 1);
-        assert_eq!(written_run_after(&map, 7 * b, 3 * b, 103 * b, 8), 0);
-    }
     use rand::{rngs::SmallRng, Rng, SeedableRng};
 
     const B: u64 = BLOCK_SIZE;
@@ -732,5 +709,28 @@ mod tests {
                 .collect();
             assert_eq!(got, want, "map {map:?} size {size} off {off} len {len}");
         }
+    }
+
+    #[test]
+    fn written_run_after_stops_at_a_gap_unwritten_space_or_eof() {
+        let b = BLOCK_SIZE;
+        let ext = |file_off: u64, len: u64, dev_off: u64, unwritten: bool| FileExtent {
+            file_off: file_off * b,
+            len: len * b,
+            dev_off: dev_off * b,
+            unwritten,
+        };
+        // Blocks 0-3 at 100-103, 4-5 at 200-201 (elsewhere), 6 unwritten at 202.
+        let map = [
+            ext(0, 4, 100, false),
+            ext(4, 2, 200, false),
+            ext(6, 1, 202, true),
+        ];
+        assert_eq!(written_run_after(&map, 7 * b, 0, 100 * b, 8), 3);
+        assert_eq!(written_run_after(&map, 7 * b, 0, 100 * b, 2), 2);
+        assert_eq!(written_run_after(&map, 7 * b, 4 * b, 200 * b, 8), 1);
+        // EOF inside block 2: only whole blocks before it come along.
+        assert_eq!(written_run_after(&map, 2 * b + 10, 0, 100 * b, 8), 1);
+        assert_eq!(written_run_after(&map, 7 * b, 3 * b, 103 * b, 8), 0);
     }
 }

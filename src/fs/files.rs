@@ -128,6 +128,23 @@ impl RecentBlocks {
         });
     }
 
+    /// Keeps the first and last blocks of `image`, the blocks from file offset `block_off`
+    /// on as a write just left them, each at the device offset `dev_of` gives it.
+    pub(crate) fn put_edges(
+        &mut self,
+        block_off: u64,
+        image: &[u8],
+        dev_of: impl Fn(u64) -> Option<u64>,
+    ) {
+        let block = crate::data::BLOCK_SIZE as usize;
+        for at in [0, image.len() - block] {
+            let file_off = block_off + at as u64;
+            if let Some(dev_off) = dev_of(file_off) {
+                self.put(file_off, dev_off, &image[at..at + block]);
+            }
+        }
+    }
+
     /// Drops the copies of blocks overlapping file bytes `[off, off + len)`.
     pub(crate) fn forget(&mut self, off: u64, len: u64) {
         let end = off.saturating_add(len);

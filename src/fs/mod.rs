@@ -1616,13 +1616,10 @@ fn plan_merged_overwrite(
         return None;
     }
     let end = off.checked_add(data.len() as u64)?;
-    if data.is_empty() || end > f.attr.size || st.io_busy(f) {
-        return None;
-    }
     let block_off = off - off % BLOCK_SIZE;
     let block_end = end.next_multiple_of(BLOCK_SIZE);
-    if block_end > f.attr.size {
-        // The block holding EOF: its bytes past EOF must stay zeros; the waiter sees to it.
+    // Not the block holding EOF: its bytes past EOF must stay zeros; the waiter sees to it.
+    if data.is_empty() || block_end > f.attr.size || st.io_busy(f) {
         return None;
     }
     let block_len = block_end - block_off;
@@ -1657,11 +1654,7 @@ fn plan_merged_overwrite(
     let d = (off - block_off) as usize;
     image[d..d + data.len()].copy_from_slice(data);
     f.recent.forget(block_off, block_len);
-    for block in [block_off, last] {
-        let at = (block - block_off) as usize;
-        f.recent
-            .put(block, dev_of(block)?, &image[at..at + BLOCK_SIZE as usize]);
-    }
+    f.recent.put_edges(block_off, &image, dev_of);
     f.touch_overwrite();
     Some(MergedOverwrite {
         segments,

@@ -390,7 +390,12 @@ impl Inner {
         }
         if !plan.rmw.is_empty() {
             // Dropped again below if the map does not take the new blocks.
-            keep_edges(&mut f.recent, &plan, &new_map, &buf);
+            f.recent.put_edges(plan.block_off, &buf, |block| {
+                new_map
+                    .iter()
+                    .find(|e| e.file_off <= block && block < e.file_off + e.len)
+                    .map(|e| e.dev_off + (block - e.file_off))
+            });
         }
         if !needs_commit {
             // An overwrite of written blocks inside EOF: no metadata changes but mtime,
@@ -732,28 +737,6 @@ impl Inner {
                 }
                 Err(e) => log::warn!("committing aged pending writes of inode {ino}: {e}"),
             }
-        }
-    }
-}
-
-/// Keeps the first and last blocks of a write that read-modify-wrote (`buf`, the image of
-/// the plan's block range, now on the device where `new_map` puts it) for the next small
-/// write into them ([`files::RecentBlocks`]).
-fn keep_edges(
-    recent: &mut files::RecentBlocks,
-    plan: &dplan::WritePlan,
-    new_map: &[FileExtent],
-    buf: &[u8],
-) {
-    let last = plan.block_off + plan.block_len - BLOCK_SIZE;
-    for block in [plan.block_off, last] {
-        let dev_off = new_map
-            .iter()
-            .find(|e| e.file_off <= block && block < e.file_off + e.len)
-            .map(|e| e.dev_off + (block - e.file_off));
-        if let Some(dev_off) = dev_off {
-            let at = (block - plan.block_off) as usize;
-            recent.put(block, dev_off, &buf[at..at + BLOCK_SIZE as usize]);
         }
     }
 }
