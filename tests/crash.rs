@@ -144,6 +144,87 @@ fn fsynced_data_survives_kill9() {
     check(&m, "after a clean remount");
 }
 
+/// Small overwrites a node holds before writing them (`files::HeldBlocks`): what was
+/// fdatasync'd survives kill -9 byte for byte; a held write not synced is, after the
+/// crash, either all there or not at all, never torn.
+#[test]
+fn small_overwrites_fsynced_survive_kill9_unsynced_are_old_or_new() {
+    let Some(fs) = TestFs::new_or_skip("small_overwrites_kill9", None) else {
+        return;
+    };
+    // The counter is read over --metrics: `etcfs stats` would be a child process, and its
+    // exec closes an inherited copy of the file's descriptor (a FLUSH, which writes out).
+    let port = common::free_port();
+    let m = fs.mount("auto", &["--metrics", &format!("127.0.0.1:{port}")]);
+    const SIZE: usize = 256 << 10;
+    let mut synced = pattern(SIZE, 0x21);
+    write_synced(&m.path("db"), &synced);
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("db"))
+        .expect("open db");
+    let mut now = synced.clone();
+    let held = || -> u64 {
+        use std::io::Read as _;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("--metrics");
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).expect("read /metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix("etcfs_writes_held_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no etcfs_writes_held_total in {text}")) as u64
+    };
+    let put = |now: &mut Vec<u8>, off: usize, data: &[u8]| {
+        f.write_all_at(data, off as u64).expect("overwrite");
+        now[off..off + data.len()].copy_from_slice(data);
+    };
+    // WAL-like: 24-byte headers and unaligned pages, synced every few frames.
+    for i in 0..60usize {
+        let at = 32 + (i % 40) * (4096 + 24);
+        put(&mut now, at, &pattern(24, i as u8));
+        put(&mut now, at + 24, &pattern(4096, (i + 100) as u8));
+        if i % 5 == 4 {
+            f.sync_data().expect("fdatasync");
+            synced.clone_from(&now);
+        }
+    }
+    // Then whole-block writes never synced: held, not yet on the device.
+    let first: Vec<(usize, Vec<u8>)> = (0..20usize)
+        .map(|k| (k * 8192 + 4096, pattern(4096, (k + 200) as u8)))
+        .collect();
+    let held_before = held();
+    for (at, data) in &first {
+        put(&mut now, *at, data);
+    }
+    assert!(held() >= held_before + 20, "the writes were not held");
+    // Not read back before the crash: a READ writes out what is held first.
+    m.crash();
+    drop(f);
+
+    let m = fs.mount("auto", &[]);
+    let mut got = fs::read(m.path("db")).expect("read db after the crash");
+    assert_eq!(got.len(), SIZE);
+    let mut lost = 0;
+    for (at, data) in &first {
+        let region = &mut got[*at..at + data.len()];
+        if region != &data[..] {
+            lost += 1;
+            assert_eq!(region, &synced[*at..at + data.len()], "write at {at} torn");
+        }
+        synced[*at..at + data.len()].copy_from_slice(region);
+    }
+    assert_same_bytes("db after kill -9 and remount", &got, &synced);
+    eprintln!("{lost} of {} held writes lost with the daemon", first.len());
+    m.stop();
+}
+
 #[test]
 fn unlinked_open_file_reclaimed_after_kill9() {
     let Some(fs) = TestFs::new_or_skip("unlinked_open_file_reclaimed_after_kill9", None) else {

@@ -268,6 +268,14 @@ impl EtcFs {
                 let kill = write_flags & abi::FUSE_WRITE_KILL_SUIDGID != 0;
                 let append = flags & libc::O_APPEND as u32 != 0;
                 let counters = &self.inner.data_counters;
+                // Writes the application asked to reach the device go there.
+                let to_device = (libc::O_DIRECT | libc::O_DSYNC | libc::O_SYNC) as u32;
+                if !append && flags & to_device == 0 {
+                    if let Some(r) = self.write_held(ino, offset, data, kill, out) {
+                        counters.writes_held.fetch_add(1, Ordering::Relaxed);
+                        return r;
+                    }
+                }
                 if ctx.io_plans() && !append {
                     if let Some(r) = self.write_fast(ino, offset, data, kill) {
                         counters.writes_on_core.fetch_add(1, Ordering::Relaxed);
@@ -463,6 +471,10 @@ impl EtcFs {
         let _held = self.inner.locks.try_hold(ino, LockMode::Shared)?;
         let st = self.inner.files.get(ino)?;
         let mut f = st.try_lock_briefly()?;
+        // Held blocks are written out first, on a waiter.
+        if !f.held.is_empty() {
+            return None;
+        }
         atime::note_read(&mut f, self.inner.noatime);
         let fsize = f.attr.size;
         if off >= fsize || size == 0 {
@@ -496,6 +508,11 @@ impl EtcFs {
         let _held = self.inner.locks.try_hold(ino, LockMode::Exclusive)?;
         let st = self.inner.files.get(ino)?;
         let mut f = st.try_lock_briefly()?;
+        // Held blocks are written out first, on a waiter (a write of one of them here
+        // could land before them, or be overwritten by them).
+        if !f.held.is_empty() {
+            return None;
+        }
         let (segments, io, image) =
             match plan_overwrite(&st, &mut f, off, data.len(), kill_suid, fd) {
                 Some((segments, io)) => (segments, io, None),
@@ -516,6 +533,41 @@ impl EtcFs {
             hold: Some(hold),
             image,
         }))
+    }
+}
+
+impl EtcFs {
+    /// WRITE answered at once, its blocks held ([`files::HeldBlocks`]): a small buffered
+    /// overwrite of written blocks inside EOF under this node's exclusive lock, whose
+    /// partial blocks are held or kept. Everything else takes [`EtcFs::write_fast`] or
+    /// [`Inner::write`].
+    fn write_held(
+        &self,
+        ino: u64,
+        off: u64,
+        data: &[u8],
+        kill_suid: bool,
+        out: &mut [u8],
+    ) -> Option<Reply> {
+        let written = u32::try_from(data.len()).ok()?;
+        let _held = self.inner.locks.try_hold(ino, LockMode::Exclusive)?;
+        let st = self.inner.files.get(ino)?;
+        let mut f = st.try_lock_briefly()?;
+        // What is held is written out under this session only; a node whose fence has
+        // closed writes nothing more.
+        if !self.inner.fence.open() {
+            return None;
+        }
+        let first = f.held.is_empty();
+        plan_held_overwrite(&st, &mut f, off, data, kill_suid)?;
+        if first {
+            self.inner.files.mark_dirty(ino);
+        }
+        drop(f);
+        Some(match reply::write(out, written) {
+            Some(n) => Reply::Bytes(n),
+            None => Reply::Error(Errno::EIO),
+        })
     }
 }
 
@@ -590,6 +642,10 @@ impl Handler for EtcFs {
             ("frees_unlogged", &d.frees_unlogged),
             ("mtime_commits_relocked", &d.mtime_commits_relocked),
             ("rmw_blocks_kept", &d.rmw_blocks_kept),
+            ("writes_held", &d.writes_held),
+            ("held_blocks_written", &d.held_blocks_written),
+            ("held_block_runs_written", &d.held_block_runs_written),
+            ("held_blocks_lost", &d.held_blocks_lost),
         ] {
             c.push((name.into(), n.load(Ordering::Relaxed)));
         }

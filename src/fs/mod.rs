@@ -620,6 +620,13 @@ struct DataCounters {
     /// Read-modify-writes that found the block's old contents in the file's
     /// [`files::RecentBlocks`] instead of reading the device.
     rmw_blocks_kept: AtomicU64,
+    /// WRITEs answered with their blocks held ([`files::HeldBlocks`]).
+    writes_held: AtomicU64,
+    /// Held blocks written out, and how many device writes that took.
+    held_blocks_written: AtomicU64,
+    held_block_runs_written: AtomicU64,
+    /// Held blocks that never reached the device (a failed write-out, or a fence).
+    held_blocks_lost: AtomicU64,
 }
 
 /// The device I/O of the waiters and the daemon's own threads (what goes through
@@ -1663,6 +1670,85 @@ fn plan_merged_overwrite(
         kept: edges.len() as u64,
     })
 }
+
+/// A buffered overwrite answered without the device: the blocks of `[off, off + len)`
+/// as the write leaves them, held in the file's [`files::HeldBlocks`] until written out.
+/// Each partial block is built on the held or kept copy of it (no device read). `None`,
+/// changing nothing, unless every block is written and inside EOF (not the EOF block,
+/// whose bytes past EOF the waiter keeps zero), the write spans at most
+/// [`HOLD_WRITE_MAX`], its partial blocks are held or kept, no device I/O of the file is
+/// in flight (an older write of one of its blocks could land after the write-out), and
+/// the bounds of [`files::HeldBlocks::reserve`] have room. Returns the blocks held.
+fn plan_held_overwrite(
+    st: &Arc<files::FileState>,
+    f: &mut files::FileInner,
+    off: u64,
+    data: &[u8],
+    kill_suid: bool,
+) -> Option<u64> {
+    if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
+        return None;
+    }
+    let end = off.checked_add(data.len() as u64)?;
+    let block_off = off - off % BLOCK_SIZE;
+    let block_end = end.next_multiple_of(BLOCK_SIZE);
+    let block_len = block_end - block_off;
+    if data.is_empty() || block_len > HOLD_WRITE_MAX || block_end > f.attr.size || st.io_busy(f) {
+        return None;
+    }
+    let segments = overwrite_segments(
+        f.extents.as_ref()?,
+        f.attr.size,
+        block_off,
+        usize::try_from(block_len).ok()?,
+        -1,
+    )?;
+    let dev_of = |block: u64| {
+        let at = block - block_off;
+        segments
+            .iter()
+            .find(|s| (s.src as u64) <= at && at < (s.src + s.len) as u64)
+            .map(|s| s.offset + (at - s.src as u64))
+    };
+    let mut blocks = Vec::with_capacity((block_len / BLOCK_SIZE) as usize);
+    for block in (block_off..block_end).step_by(BLOCK_SIZE as usize) {
+        let dev_off = dev_of(block)?;
+        // The write's bytes within this block.
+        let from = off.max(block);
+        let to = end.min(block + BLOCK_SIZE);
+        let mut buf = uring::AlignedBuf::new(BLOCK_SIZE as usize);
+        if to - from < BLOCK_SIZE {
+            let base = f
+                .held
+                .get(block, dev_off)
+                .or_else(|| f.recent.get(block, dev_off))?;
+            buf.copy_from_slice(base);
+        }
+        let at = (from - block) as usize;
+        let src = (from - off) as usize;
+        buf[at..at + (to - from) as usize].copy_from_slice(&data[src..src + (to - from) as usize]);
+        blocks.push((block, dev_off, buf));
+    }
+    let new = blocks
+        .iter()
+        .filter(|(block, dev_off, _)| f.held.get(*block, *dev_off).is_none())
+        .count();
+    if !f.held.reserve(new) {
+        return None;
+    }
+    // The held blocks are newer than any copy of what the device has.
+    f.recent.forget(block_off, block_len);
+    let n = blocks.len() as u64;
+    for (block, dev_off, buf) in blocks {
+        f.held.put(block, dev_off, buf);
+    }
+    f.touch_overwrite();
+    Some(n)
+}
+
+/// Largest overwrite held ([`plan_held_overwrite`]): larger ones gain nothing from it, the
+/// device takes them at its bandwidth.
+const HOLD_WRITE_MAX: u64 = 4 * BLOCK_SIZE;
 
 /// What [`plan_merged_overwrite`] plans.
 struct MergedOverwrite {

@@ -200,6 +200,12 @@ impl Inner {
         if let Some(st) = self.files.close(ino) {
             // The last close: nothing retries a change still pending after this.
             let mut f = st.lock();
+            if f.orphaned {
+                // Its blocks go with it.
+                drop(f.held.take());
+            } else if let Err(e) = self.write_held_locked(&st, &mut f) {
+                log::warn!("writing held blocks of inode {ino} at its last close: {e}");
+            }
             for _ in 0..PENDING_RETRIES_MAX {
                 if f.pending.is_none() || f.orphaned {
                     break;

@@ -7,6 +7,7 @@
 //! (`Inner::commit_allocation_locked`).
 
 use super::*;
+use crate::data::device::IoReq;
 
 /// An open's read of its file's map (see [`Inner::load_map_at_open`]).
 pub(super) struct MapAtOpen {
@@ -124,6 +125,8 @@ impl Inner {
     ) -> Result<Done, Errno> {
         let st = self.files.get(ino).ok_or(Errno::EBADF)?;
         let mut f = st.lock();
+        // The read goes to the device: what is held goes there first.
+        self.write_held_locked(&st, &mut f)?;
         atime::note_read(&mut f, self.noatime);
         let fsize = f.attr.size;
         if off >= fsize || size == 0 {
@@ -178,6 +181,8 @@ impl Inner {
         }
         let st = self.files.get(ino).ok_or(Errno::EBADF)?;
         let mut f = st.lock();
+        // Below, the device is read and written as it is: what is held goes first.
+        self.write_held_locked(&st, &mut f)?;
         // O_APPEND: the kernel chose the offset from its own idea of the size, which is
         // another node's old size when that node appended last. The exclusive lock makes
         // ours the file's real size; the kernel's copy of the data at its offset (and
@@ -563,7 +568,12 @@ impl Inner {
         st: &FileState,
         f: &mut files::FileInner,
     ) -> Result<Vec<Outcome>, Errno> {
+        let held = !f.held.is_empty();
+        self.write_held_locked(st, f)?;
         let Some(mut p) = f.pending.take() else {
+            if held {
+                self.files.clear_dirty(st.ino);
+            }
             return Ok(Vec::new());
         };
         if !self.op_serving() {
@@ -615,6 +625,85 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// Writes the file's held blocks ([`files::HeldBlocks`]) to the device, each run of
+    /// blocks adjacent there as one write, all in one batch, after any device I/O of the
+    /// file in flight (which they are newer than). Written, they stay as copies of what
+    /// the device has ([`files::RecentBlocks`]). Those of a session that is gone, or whose
+    /// write failed, are dropped: EIO, as a page cache reports a failed write-back.
+    pub(super) fn write_held_locked(
+        &self,
+        st: &FileState,
+        f: &mut files::FileInner,
+    ) -> Result<(), Errno> {
+        if f.held.is_empty() {
+            return Ok(());
+        }
+        let mut blocks = f.held.take();
+        let n = blocks.len() as u64;
+        let lost = |what: &str| {
+            log::error!(
+                "{n} written blocks of inode {} never reached the device: {what}",
+                st.ino
+            );
+            self.data_counters
+                .held_blocks_lost
+                .fetch_add(n, Ordering::Relaxed);
+            Errno::EIO
+        };
+        if !self.op_serving() {
+            return Err(lost("this node's session is gone"));
+        }
+        st.wait_io(f);
+        blocks.sort_unstable_by_key(|&(_, dev_off, _)| dev_off);
+        let mut runs: Vec<(u64, AlignedBuf)> = Vec::new();
+        let mut i = 0;
+        while i < blocks.len() {
+            let mut j = i + 1;
+            while j < blocks.len() && blocks[j].1 == blocks[i].1 + (j - i) as u64 * BLOCK_SIZE {
+                j += 1;
+            }
+            let run = if j == i + 1 {
+                std::mem::replace(&mut blocks[i].2, AlignedBuf::new(0))
+            } else {
+                let mut buf = AlignedBuf::new((j - i) * BLOCK_SIZE as usize);
+                for (k, b) in blocks[i..j].iter().enumerate() {
+                    let at = k * BLOCK_SIZE as usize;
+                    buf[at..at + BLOCK_SIZE as usize].copy_from_slice(&b.2);
+                }
+                buf
+            };
+            runs.push((blocks[i].1, run));
+            i = j;
+        }
+        let mut reqs: Vec<IoReq<'_>> = runs
+            .iter()
+            .map(|(off, buf)| IoReq::write(buf, *off))
+            .collect();
+        let failed = self
+            .io()
+            .submit_batch(&mut reqs)
+            .into_iter()
+            .find_map(Result::err);
+        drop(reqs);
+        if let Some(e) = failed {
+            return Err(lost(&e.to_string()));
+        }
+        let c = &self.data_counters;
+        c.held_blocks_written.fetch_add(n, Ordering::Relaxed);
+        c.held_block_runs_written
+            .fetch_add(runs.len() as u64, Ordering::Relaxed);
+        // What the device has now: the next small write into one of them merges into it.
+        for (dev_off, run) in &runs {
+            for (k, block) in run.chunks(BLOCK_SIZE as usize).enumerate() {
+                let dev = dev_off + k as u64 * BLOCK_SIZE;
+                if let Some(&(file_off, _, _)) = blocks.iter().find(|b| b.1 == dev) {
+                    f.recent.put(file_off, dev, block);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The `SetExtents` of a pending change: the cached map of its range, merged, in
@@ -713,8 +802,8 @@ impl Inner {
         Ok(())
     }
 
-    /// The age trigger (housekeeping): commits pending changes older than
-    /// [`PENDING_AGE_MAX`].
+    /// The age trigger (housekeeping): commits pending changes, and writes out held
+    /// blocks, older than [`PENDING_AGE_MAX`].
     pub(super) fn commit_aged(&self) {
         for ino in self.files.dirty() {
             let Some(st) = self.files.get(ino) else {
@@ -723,11 +812,16 @@ impl Inner {
                 continue;
             };
             let mut f = st.lock();
-            let Some(p) = &f.pending else {
-                self.files.clear_dirty(ino);
-                continue;
+            let since = match (&f.pending, f.held.since()) {
+                (Some(p), Some(h)) => p.since.min(h),
+                (Some(p), None) => p.since,
+                (None, Some(h)) => h,
+                (None, None) => {
+                    self.files.clear_dirty(ino);
+                    continue;
+                }
             };
-            if p.since.elapsed() < PENDING_AGE_MAX {
+            if since.elapsed() < PENDING_AGE_MAX {
                 continue;
             }
             match self.commit_pending_locked(&st, &mut f) {

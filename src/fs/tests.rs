@@ -3235,10 +3235,15 @@ fn small_writes_merge_into_the_block_just_written_and_nothing_stale() {
     let appended = counter(&a, "rmw_blocks_kept");
     assert!(appended >= 8, "appending frames kept {appended} blocks");
     wal.check(&mut a);
-    // The WAL reused in place: each header lands in the block the page before it ended in.
+    // The WAL reused in place: each header lands in the block the page before it ended in,
+    // merged into the copy kept of it, or held with it.
+    let held = counter(&a, "writes_held");
     wal.frames(&mut a, 50);
-    let reused = counter(&a, "rmw_blocks_kept") - appended;
-    assert!(reused >= 8, "rewriting frames kept {reused} blocks");
+    let reused = counter(&a, "rmw_blocks_kept") - appended + counter(&a, "writes_held") - held;
+    assert!(
+        reused >= 16,
+        "rewriting frames kept or held {reused} blocks"
+    );
     wal.check(&mut a);
 
     // An aligned overwrite of a kept block (the fast path), then a small write into it.
@@ -3272,4 +3277,144 @@ fn small_writes_merge_into_the_block_just_written_and_nothing_stale() {
     let cfh = c.open(ino);
     same(&c.read(ino, cfh, 0, wal.bytes.len() as u32), &wal.bytes);
     c.release(ino, cfh);
+}
+
+/// Small buffered overwrites are held ([`files::HeldBlocks`]) and answered without the
+/// device, and every reader and writer of the blocks sees them: this node's reads and
+/// writes of other kinds, truncate, fsync, the age bound, another node taking the lock,
+/// and a session that ends before they are written (then EIO and the old data).
+#[test]
+fn small_overwrites_are_held_and_every_reader_and_writer_sees_them() {
+    fn held(fx: &Fx) -> u64 {
+        counter(fx, "writes_held")
+    }
+    fn written(fx: &Fx) -> u64 {
+        counter(fx, "held_blocks_written")
+    }
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"db");
+    let mut model = pattern(1, 16 * BLOCK_SIZE as usize);
+    a.write(ino, fh, 0, &model);
+    a.fsync(ino, fh);
+    let put = |fx: &mut Fx, model: &mut Vec<u8>, off: u64, data: &[u8]| {
+        fx.write(ino, fh, off, data);
+        model[off as usize..off as usize + data.len()].copy_from_slice(data);
+    };
+
+    // A whole block, then bytes inside it.
+    let h0 = held(&a);
+    put(
+        &mut a,
+        &mut model,
+        2 * BLOCK_SIZE,
+        &pattern(2, BLOCK_SIZE as usize),
+    );
+    put(&mut a, &mut model, 2 * BLOCK_SIZE + 100, &pattern(3, 50));
+    assert_eq!(
+        held(&a) - h0,
+        2,
+        "a whole block and a write into it are held"
+    );
+    assert_eq!(written(&a), 0);
+    // Across into a block neither held nor kept: a waiter reads it, after writing out
+    // what is held; the block is kept then, and the next write into it is held.
+    put(&mut a, &mut model, 3 * BLOCK_SIZE - 10, &pattern(4, 20));
+    assert_eq!((held(&a) - h0, written(&a)), (2, 1));
+    put(&mut a, &mut model, 3 * BLOCK_SIZE + 500, &pattern(5, 20));
+    assert_eq!(held(&a) - h0, 3);
+    // This node's read writes them out first and sees them.
+    same(&a.read(ino, fh, 0, model.len() as u32), &model);
+    assert_eq!(written(&a), 2);
+
+    // A write the application wants on the device (O_DIRECT) is not held, and goes after
+    // what is.
+    put(
+        &mut a,
+        &mut model,
+        5 * BLOCK_SIZE,
+        &pattern(6, BLOCK_SIZE as usize),
+    );
+    let h1 = held(&a);
+    let direct = pattern(7, BLOCK_SIZE as usize);
+    a.ok(
+        ino,
+        Operation::Write {
+            fh,
+            offset: 5 * BLOCK_SIZE,
+            data: &direct,
+            write_flags: 0,
+            flags: libc::O_DIRECT as u32,
+        },
+    );
+    model[5 * BLOCK_SIZE as usize..6 * BLOCK_SIZE as usize].copy_from_slice(&direct);
+    assert_eq!(held(&a), h1);
+    same(&a.read(ino, fh, 0, model.len() as u32), &model);
+
+    // Truncate inside a held block, then grow: zeros past the cut.
+    put(
+        &mut a,
+        &mut model,
+        7 * BLOCK_SIZE,
+        &pattern(8, BLOCK_SIZE as usize),
+    );
+    let cut = 7 * BLOCK_SIZE + 300;
+    a.truncate(ino, cut);
+    model.truncate(cut as usize);
+    model.resize(16 * BLOCK_SIZE as usize, 0);
+    a.truncate(ino, model.len() as u64);
+    same(&a.read(ino, fh, 0, model.len() as u32), &model);
+
+    // fsync writes them (and keeps a copy of what it wrote); so does the age bound.
+    put(
+        &mut a,
+        &mut model,
+        2 * BLOCK_SIZE,
+        &pattern(9, BLOCK_SIZE as usize),
+    );
+    let w = written(&a);
+    a.fsync(ino, fh);
+    assert_eq!(written(&a), w + 1);
+    put(&mut a, &mut model, 2 * BLOCK_SIZE + 70, &pattern(10, 9));
+    std::thread::sleep(super::PENDING_AGE_MAX + Duration::from_millis(100));
+    a.fs.inner().commit_aged();
+    assert_eq!(written(&a), w + 2);
+
+    // Another node reads and then writes the file: A writes back when it gives way, and
+    // its next small write merges into what B wrote.
+    put(&mut a, &mut model, 9 * BLOCK_SIZE + 1, &pattern(11, 4000));
+    put(
+        &mut a,
+        &mut model,
+        11 * BLOCK_SIZE,
+        &pattern(12, BLOCK_SIZE as usize),
+    );
+    let mut b = second_mount(&a);
+    let bfh = b.open(ino);
+    same(&b.read(ino, bfh, 0, model.len() as u32), &model);
+    let theirs = pattern(13, 30);
+    b.write(ino, bfh, 11 * BLOCK_SIZE + 30, &theirs);
+    model[11 * BLOCK_SIZE as usize + 30..11 * BLOCK_SIZE as usize + 60].copy_from_slice(&theirs);
+    b.fsync(ino, bfh);
+    b.release(ino, bfh);
+    put(&mut a, &mut model, 11 * BLOCK_SIZE + 100, &pattern(14, 10));
+    same(&a.read(ino, fh, 0, model.len() as u32), &model);
+    assert_eq!(counter(&a, "held_blocks_lost"), 0);
+
+    // Held when the session ends: never written, fsync says EIO, the data is the old.
+    a.fsync(ino, fh);
+    let on_device = model.clone();
+    put(&mut a, &mut model, 11 * BLOCK_SIZE, &pattern(15, 64));
+    drop(super::lock(&a.fs.inner().session).take());
+    let e = a.err(
+        ino,
+        Operation::Fsync {
+            fh,
+            datasync: false,
+        },
+    );
+    assert_eq!(e, Errno::EIO);
+    assert_eq!(counter(&a, "held_blocks_lost"), 1);
+    let mut c = second_mount(&a);
+    let cfh = c.open(ino);
+    same(&c.read(ino, cfh, 0, on_device.len() as u32), &on_device);
 }

@@ -260,6 +260,32 @@ pub(crate) const DESCS: &[Desc] = &[
          wrote instead of reading it back from the device.",
     ),
     counter(
+        "writes_held",
+        "etcfs_writes_held",
+        &[],
+        "Small buffered overwrites answered before reaching the device, their blocks held \
+         until written out (fsync, close, about a second, a READ, the lock's hand-over).",
+    ),
+    counter(
+        "held_blocks_written",
+        "etcfs_held_blocks_written",
+        &[],
+        "Held blocks written out to the device.",
+    ),
+    counter(
+        "held_block_runs_written",
+        "etcfs_held_block_runs_written",
+        &[],
+        "Device writes the held blocks took (adjacent blocks go as one).",
+    ),
+    counter(
+        "held_blocks_lost",
+        "etcfs_held_blocks_lost",
+        &[],
+        "Held blocks that never reached the device: a failed write-out, or this node's \
+         session ended first.",
+    ),
+    counter(
         "mtime_commits_relocked",
         "etcfs_mtime_commits_relocked",
         &[],
