@@ -166,16 +166,8 @@ fn small_overwrites_fsynced_survive_kill9_unsynced_are_old_or_new() {
         .expect("open db");
     let mut now = synced.clone();
     let held = || -> u64 {
-        use std::io::Read as _;
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("--metrics");
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        write!(
-            s,
-            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut text = String::new();
-        s.read_to_string(&mut text).expect("read /metrics");
+        let (code, text) = common::http_get(port, "/metrics");
+        assert_eq!(code, 200, "{text}");
         text.lines()
             .find_map(|l| l.strip_prefix("etcfs_writes_held_total "))
             .and_then(|v| v.trim().parse::<f64>().ok())

@@ -10,42 +10,15 @@ mod common;
 
 use std::{
     collections::HashMap,
-    io::{Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    io::Read as _,
+    net::TcpListener,
     process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
-use common::{is_mounted, pattern, run_bounded, signal, wait_bounded, TestFs, ETCFS};
+use common::{http_get, is_mounted, pattern, run_bounded, signal, wait_bounded, TestFs, ETCFS};
 use prometheus_parse::{Sample, Scrape, Value};
-
-/// One HTTP request to the endpoint: (status code, body).
-fn http_get(port: u16, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to --metrics");
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read the answer");
-    let raw = String::from_utf8(raw).expect("a text answer");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a head and a body");
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {head:?}"));
-    assert!(
-        !head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked"),
-        "{head}"
-    );
-    (code, body.to_owned())
-}
 
 fn scrape(port: u16) -> Scrape {
     let (code, body) = http_get(port, "/metrics");

@@ -1603,13 +1603,54 @@ fn plan_overwrite(
     Some((segments, st.begin_io(f)))
 }
 
+/// The whole blocks `[block_off, block_end)` a write of `len` bytes at `off` covers in
+/// part or whole, with their device writes, when the write may be planned from copies of
+/// them: no set-id bits to clear, every block written and inside EOF (not the block
+/// holding EOF, whose bytes past EOF must stay zeros; the waiter sees to it), and no
+/// device I/O of the file in flight (two writes of one block in flight may land in either
+/// order, and an older one could land after this one).
+fn partial_overwrite_span(
+    st: &Arc<files::FileState>,
+    f: &files::FileInner,
+    off: u64,
+    len: usize,
+    kill_suid: bool,
+    fd: RawFd,
+) -> Option<(u64, u64, Vec<WriteSegment>)> {
+    if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
+        return None;
+    }
+    let end = off.checked_add(len as u64)?;
+    let block_off = off - off % BLOCK_SIZE;
+    let block_end = end.next_multiple_of(BLOCK_SIZE);
+    if len == 0 || block_end > f.attr.size || st.io_busy(f) {
+        return None;
+    }
+    let segments = overwrite_segments(
+        f.extents.as_ref()?,
+        f.attr.size,
+        block_off,
+        usize::try_from(block_end - block_off).ok()?,
+        fd,
+    )?;
+    Some((block_off, block_end, segments))
+}
+
+/// The device offset of the block at file offset `block` in `segments`, the device writes
+/// of the blocks from `block_off` on.
+fn dev_of(segments: &[WriteSegment], block_off: u64, block: u64) -> Option<u64> {
+    let at = block - block_off;
+    segments
+        .iter()
+        .find(|s| (s.src as u64) <= at && at < (s.src + s.len) as u64)
+        .map(|s| s.offset + (at - s.src as u64))
+}
+
 /// An overwrite that covers its first or last block in part, on a core: the blocks it
 /// touches built from this node's copies of its partial edge blocks and `data`, and their
-/// device writes from that image. `None` unless every block is written and inside EOF, each
-/// partial edge block is kept ([`files::RecentBlocks`]), and no other device I/O of the
-/// file is in flight: two writes of one block in flight at once may land in either order,
-/// and each carries the whole block. The copies become the blocks as this write leaves
-/// them. Should the write fail, they keep its bytes, as a page cache keeps a write its
+/// device writes from that image. `None` unless [`partial_overwrite_span`] allows it and
+/// each partial edge block is kept ([`files::RecentBlocks`]). The copies become the blocks
+/// as this write leaves them. Should the write fail, they keep its bytes, as a page cache keeps a write its
 /// write-back failed, and the next write into the block carries them.
 fn plan_merged_overwrite(
     st: &Arc<files::FileState>,
@@ -1619,31 +1660,11 @@ fn plan_merged_overwrite(
     kill_suid: bool,
     fd: RawFd,
 ) -> Option<MergedOverwrite> {
-    if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
-        return None;
-    }
-    let end = off.checked_add(data.len() as u64)?;
-    let block_off = off - off % BLOCK_SIZE;
-    let block_end = end.next_multiple_of(BLOCK_SIZE);
-    // Not the block holding EOF: its bytes past EOF must stay zeros; the waiter sees to it.
-    if data.is_empty() || block_end > f.attr.size || st.io_busy(f) {
-        return None;
-    }
+    let (block_off, block_end, segments) =
+        partial_overwrite_span(st, f, off, data.len(), kill_suid, fd)?;
     let block_len = block_end - block_off;
-    let segments = overwrite_segments(
-        f.extents.as_ref()?,
-        f.attr.size,
-        block_off,
-        usize::try_from(block_len).ok()?,
-        fd,
-    )?;
-    let dev_of = |block: u64| {
-        let at = block - block_off;
-        segments
-            .iter()
-            .find(|s| (s.src as u64) <= at && at < (s.src + s.len) as u64)
-            .map(|s| s.offset + (at - s.src as u64))
-    };
+    let end = off + data.len() as u64;
+    let dev_of = |block: u64| dev_of(&segments, block_off, block);
     let last = block_end - BLOCK_SIZE;
     let mut edges = Vec::with_capacity(2);
     if off != block_off {
@@ -1674,11 +1695,9 @@ fn plan_merged_overwrite(
 /// A buffered overwrite answered without the device: the blocks of `[off, off + len)`
 /// as the write leaves them, held in the file's [`files::HeldBlocks`] until written out.
 /// Each partial block is built on the held or kept copy of it (no device read). `None`,
-/// changing nothing, unless every block is written and inside EOF (not the EOF block,
-/// whose bytes past EOF the waiter keeps zero), the write spans at most
-/// [`HOLD_WRITE_MAX`], its partial blocks are held or kept, no device I/O of the file is
-/// in flight (an older write of one of its blocks could land after the write-out), and
-/// the bounds of [`files::HeldBlocks::reserve`] have room. Returns the blocks held.
+/// changing nothing, unless [`partial_overwrite_span`] allows it, the write spans at most
+/// [`HOLD_WRITE_MAX`], its partial blocks are held or kept, and the bounds of
+/// [`files::HeldBlocks::reserve`] have room. Returns the blocks held.
 fn plan_held_overwrite(
     st: &Arc<files::FileState>,
     f: &mut files::FileInner,
@@ -1686,33 +1705,16 @@ fn plan_held_overwrite(
     data: &[u8],
     kill_suid: bool,
 ) -> Option<u64> {
-    if kill_suid && killed_perm(f.attr.perm) != f.attr.perm {
-        return None;
-    }
-    let end = off.checked_add(data.len() as u64)?;
-    let block_off = off - off % BLOCK_SIZE;
-    let block_end = end.next_multiple_of(BLOCK_SIZE);
+    let (block_off, block_end, segments) =
+        partial_overwrite_span(st, f, off, data.len(), kill_suid, -1)?;
     let block_len = block_end - block_off;
-    if data.is_empty() || block_len > HOLD_WRITE_MAX || block_end > f.attr.size || st.io_busy(f) {
+    if block_len > HOLD_WRITE_MAX {
         return None;
     }
-    let segments = overwrite_segments(
-        f.extents.as_ref()?,
-        f.attr.size,
-        block_off,
-        usize::try_from(block_len).ok()?,
-        -1,
-    )?;
-    let dev_of = |block: u64| {
-        let at = block - block_off;
-        segments
-            .iter()
-            .find(|s| (s.src as u64) <= at && at < (s.src + s.len) as u64)
-            .map(|s| s.offset + (at - s.src as u64))
-    };
+    let end = off + data.len() as u64;
     let mut blocks = Vec::with_capacity((block_len / BLOCK_SIZE) as usize);
     for block in (block_off..block_end).step_by(BLOCK_SIZE as usize) {
-        let dev_off = dev_of(block)?;
+        let dev_off = dev_of(&segments, block_off, block)?;
         // The write's bytes within this block.
         let from = off.max(block);
         let to = end.min(block + BLOCK_SIZE);

@@ -657,29 +657,34 @@ impl Inner {
         }
         st.wait_io(f);
         blocks.sort_unstable_by_key(|&(_, dev_off, _)| dev_off);
-        let mut runs: Vec<(u64, AlignedBuf)> = Vec::new();
+        // Runs of blocks adjacent on the device, `[i, j)` in `blocks`; one write each, from
+        // the block itself or, for a longer run, from the blocks put together.
+        let mut runs = Vec::new();
         let mut i = 0;
         while i < blocks.len() {
-            let mut j = i + 1;
-            while j < blocks.len() && blocks[j].1 == blocks[i].1 + (j - i) as u64 * BLOCK_SIZE {
-                j += 1;
-            }
-            let run = if j == i + 1 {
-                std::mem::replace(&mut blocks[i].2, AlignedBuf::new(0))
-            } else {
-                let mut buf = AlignedBuf::new((j - i) * BLOCK_SIZE as usize);
-                for (k, b) in blocks[i..j].iter().enumerate() {
-                    let at = k * BLOCK_SIZE as usize;
-                    buf[at..at + BLOCK_SIZE as usize].copy_from_slice(&b.2);
-                }
-                buf
-            };
-            runs.push((blocks[i].1, run));
+            let j = (i + 1..blocks.len())
+                .find(|&j| blocks[j].1 != blocks[i].1 + (j - i) as u64 * BLOCK_SIZE)
+                .unwrap_or(blocks.len());
+            runs.push((i, j));
             i = j;
         }
+        let joined: Vec<Option<AlignedBuf>> = runs
+            .iter()
+            .map(|&(i, j)| {
+                (j > i + 1).then(|| {
+                    let mut buf = AlignedBuf::new((j - i) * BLOCK_SIZE as usize);
+                    for (k, b) in blocks[i..j].iter().enumerate() {
+                        let at = k * BLOCK_SIZE as usize;
+                        buf[at..at + BLOCK_SIZE as usize].copy_from_slice(&b.2);
+                    }
+                    buf
+                })
+            })
+            .collect();
         let mut reqs: Vec<IoReq<'_>> = runs
             .iter()
-            .map(|(off, buf)| IoReq::write(buf, *off))
+            .zip(&joined)
+            .map(|(&(i, _), buf)| IoReq::write(buf.as_ref().unwrap_or(&blocks[i].2), blocks[i].1))
             .collect();
         let failed = self
             .io()
@@ -695,13 +700,8 @@ impl Inner {
         c.held_block_runs_written
             .fetch_add(runs.len() as u64, Ordering::Relaxed);
         // What the device has now: the next small write into one of them merges into it.
-        for (dev_off, run) in &runs {
-            for (k, block) in run.chunks(BLOCK_SIZE as usize).enumerate() {
-                let dev = dev_off + k as u64 * BLOCK_SIZE;
-                if let Some(&(file_off, _, _)) = blocks.iter().find(|b| b.1 == dev) {
-                    f.recent.put(file_off, dev, block);
-                }
-            }
+        for (file_off, dev_off, data) in &blocks {
+            f.recent.put(*file_off, *dev_off, data);
         }
         Ok(())
     }

@@ -1506,3 +1506,30 @@ pub(crate) fn op_count(stats: &serde_json::Value, op: &str) -> u64 {
         .map(|o| o["count"].as_u64().expect("count is a number"))
         .sum()
 }
+
+/// One HTTP request to a daemon's `--metrics` endpoint: (status code, body).
+pub(crate) fn http_get(port: u16, path: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to --metrics");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read the answer");
+    let raw = String::from_utf8(raw).expect("a text answer");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a head and a body");
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    assert!(
+        !head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
+        "{head}"
+    );
+    (code, body.to_owned())
+}
