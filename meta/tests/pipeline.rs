@@ -21,7 +21,10 @@ use meta::{
     keys::Keyspace,
     kv::KvBackend,
     model::{Faults, MemEtcd},
-    pipeline::{Config, MetaClient, Mutation, NewInode, Pipeline, SetAttr, UnlinkExpect},
+    pipeline::{
+        Config, ExtentsExpect, MetaClient, Mutation, NewInode, Outcome, Pipeline, SetAttr,
+        UnlinkExpect,
+    },
     types::{FileType, Ino, SessionId, Timespec},
 };
 
@@ -507,6 +510,126 @@ fn unlink_expectations(client: &MetaClient) {
     unlink(Ino::ROOT, "xd", true, None).unwrap();
 }
 
+/// Appends planned from the last commit's record: exact ones read nothing, stale ones
+/// (the inode changed since, a key appeared) are re-planned from etcd and end as a plain
+/// commit would.
+fn extents_expectations(client: &MetaClient) {
+    let f = client
+        .commit(create(Ino::ROOT, "appended", FileType::Regular))
+        .unwrap()
+        .ino
+        .unwrap();
+    let extent = |i: u64, dev: u64| meta::codec::Extent {
+        file_off: i * 4096,
+        len: 4096,
+        dev_off: dev,
+        unwritten: false,
+    };
+    let append = |e: meta::codec::Extent, expect: Option<ExtentsExpect>| {
+        client.commit(Mutation::SetExtents {
+            ino: f,
+            off: e.file_off,
+            len: e.len,
+            extents: vec![e],
+            size_at_least: Some(e.file_end()),
+            touch_mtime: true,
+            free_maps: Vec::new(),
+            expect: expect.map(Box::new),
+        })
+    };
+    let next = |o: &Outcome, e: meta::codec::Extent| {
+        o.extents_known.as_ref().unwrap().expectation(
+            o.attr.as_ref().unwrap(),
+            e.file_off,
+            e.file_end(),
+        )
+    };
+    let mut o = append(extent(0, 1 << 20), None).unwrap();
+    client.flush(None).unwrap().wait().unwrap();
+    let reads = client.stats().read_txns;
+    for i in 1..8 {
+        let e = extent(i, (1 << 20) + i * 4096);
+        o = append(e, next(&o, e)).unwrap();
+    }
+    assert_eq!(
+        client.stats().read_txns,
+        reads,
+        "appends from the last commit's record read nothing"
+    );
+    // Stale: a chmod since (the inode's value changed).
+    client
+        .commit(Mutation::SetAttr {
+            ino: f,
+            set: SetAttr {
+                perm: Some(0o600),
+                ..SetAttr::default()
+            },
+        })
+        .unwrap();
+    let e = extent(8, 1 << 24);
+    let stale = next(&o, e);
+    o = append(e, stale).unwrap();
+    assert_eq!(
+        o.attr.as_ref().unwrap().perm,
+        0o600,
+        "planned from etcd again"
+    );
+    assert!(client.stats().retries > 0);
+    // Stale: another writer put a key where the record guesses none.
+    let e = extent(9, 1 << 25);
+    let stale = next(&o, e);
+    client
+        .commit(Mutation::SetExtents {
+            ino: f,
+            off: 9 * 4096,
+            len: 8192,
+            extents: vec![extent(9, 1 << 26), extent(10, (1 << 26) + 4096)],
+            size_at_least: None,
+            touch_mtime: false,
+            free_maps: Vec::new(),
+            expect: None,
+        })
+        .unwrap();
+    let o = append(e, stale).unwrap();
+    assert_eq!(
+        o.freed.len(),
+        1,
+        "the other writer's block at 9 is replaced"
+    );
+    let (map, more) = client.extents(f, 0, 100).unwrap().wait().unwrap();
+    assert!(!more);
+    let mut want: Vec<_> = (0..8).map(|i| extent(i, (1 << 20) + i * 4096)).collect();
+    want[0] = extent(0, 1 << 20);
+    want.extend([
+        extent(8, 1 << 24),
+        extent(9, 1 << 25),
+        extent(10, (1 << 26) + 4096),
+    ]);
+    assert_eq!(map, want);
+    assert_eq!(o.attr.unwrap().size, 10 * 4096, "the other writer raised no size");
+    client.flush(None).unwrap().wait().unwrap();
+    client
+        .commit(Mutation::Unlink {
+            parent: Ino::ROOT,
+            name: b"appended".to_vec(),
+            dir: false,
+            keep_open: false,
+            expect: None,
+        })
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extents_with_expectations_on_the_model() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let p = start(kv, &keys, 1, c, Config::default());
+    let client = p.client();
+    tokio::task::spawn_blocking(move || extents_expectations(&client))
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unlink_with_expectations_on_the_model() {
     let c = clock();
@@ -602,6 +725,7 @@ fn pipeline_on_real_etcd() {
     client.flush(None).unwrap().wait().unwrap();
     client.commit(rmdir).unwrap();
     unlink_expectations(&client);
+    extents_expectations(&client);
     // Clean up the prefix.
     let kv = p.backend();
     let all = keys.all();
@@ -737,6 +861,7 @@ async fn free_map_writes_commit_in_submission_order() {
             size_at_least: Some(4096),
             touch_mtime: true,
             free_maps: vec![(g, b"older".to_vec())],
+            expect: None,
         })
         .unwrap();
     let newer = client
@@ -797,6 +922,7 @@ async fn a_failed_fold_stops_later_writes_of_its_map() {
             size_at_least: Some(4096),
             touch_mtime: true,
             free_maps: vec![(g, b"later".to_vec())],
+            expect: None,
         })
         .unwrap()
         .await;
@@ -851,6 +977,7 @@ async fn large_file_is_reclaimed_in_logged_chunks() {
                 size_at_least: Some(hi * 4096),
                 touch_mtime: true,
                 free_maps: Vec::new(),
+                expect: None,
             })
             .unwrap();
     }

@@ -17,7 +17,11 @@ use std::{
 };
 
 use fusedev::errno::Errno;
-use meta::{codec::InodeAttr, types::Timespec};
+use meta::{
+    codec::InodeAttr,
+    pipeline::{ExtentsExpect, ExtentsKnown},
+    types::Timespec,
+};
 
 use crate::data::plan::FileExtent;
 
@@ -63,6 +67,27 @@ pub(crate) struct FileInner {
     pub(crate) recent: RecentBlocks,
     /// Small overwrites answered but not yet written to the device.
     pub(crate) held: HeldBlocks,
+    /// What this node's last commit of the file's extents left in etcd, for the next
+    /// commit to plan from instead of reading etcd.
+    pub(crate) committed: Option<CommittedRecord>,
+}
+
+/// What a commit of a file's extents (SetExtents) left in etcd: the inode exactly as
+/// stored and the extent keys around the range it replaced. The next commit of the file
+/// plans from it ([`ExtentsExpect`]) and so costs one etcd round trip instead of two (an
+/// append's fsync). Only a guess: a record gone stale (another mutation of the inode since,
+/// another node's) fails the commit's compares and the pipeline re-plans from etcd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct CommittedRecord {
+    pub(crate) attr: InodeAttr,
+    pub(crate) known: ExtentsKnown,
+}
+
+impl CommittedRecord {
+    /// What the next commit of `[off, end)` may expect ([`ExtentsKnown::expectation`]).
+    pub(crate) fn expect(&self, off: u64, end: u64) -> Option<ExtentsExpect> {
+        self.known.expectation(&self.attr, off, end)
+    }
 }
 
 /// Blocks kept by [`RecentBlocks`] per open file: the two edges of the last write and the
@@ -559,6 +584,7 @@ impl Files {
                 pending: None,
                 recent: RecentBlocks::default(),
                 held: HeldBlocks::default(),
+                committed: None,
             }),
             io_in_flight: AtomicU32::new(0),
         });

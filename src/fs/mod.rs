@@ -1181,6 +1181,9 @@ impl Inner {
         r: Result<Outcome, MetaError>,
         extents: bool,
     ) -> Result<Outcome, Errno> {
+        // Whatever this mutation was, the record of the last extents commit is only
+        // current if this one was such a commit.
+        f.committed = None;
         let out = match r {
             Ok(o) => o,
             Err(e) => {
@@ -1193,6 +1196,13 @@ impl Inner {
         if let Some(a) = &out.attr {
             f.set_attr(a, out.revision.0);
             self.caches.own_attr(a, out.revision.0);
+            f.committed = out
+                .extents_known
+                .clone()
+                .map(|known| files::CommittedRecord {
+                    attr: a.clone(),
+                    known,
+                });
         }
         // Writes, truncates, fallocate and punch change the extents: st_blocks with them.
         if extents {

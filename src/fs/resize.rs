@@ -212,6 +212,7 @@ impl Inner {
                 size_at_least: None,
                 touch_mtime: touch_mtime && i == 0,
                 free_maps: Vec::new(),
+                expect: None,
             };
             outs.push(self.commit_locked(f, m)?);
             if let Some(map) = f.extents.as_mut() {
@@ -323,6 +324,7 @@ impl Inner {
                 size_at_least,
                 touch_mtime: false,
                 free_maps: Vec::new(),
+                expect: None,
             };
             let out = match self.commit_allocation_locked(&mut f, m, &chunk) {
                 Ok(o) => o,

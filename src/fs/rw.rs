@@ -444,6 +444,7 @@ impl Inner {
             size_at_least: Some(end),
             touch_mtime: true,
             free_maps: Vec::new(),
+            expect: None,
         };
         let out = match self.commit_allocation_locked(&mut f, m, &allocated) {
             Ok(o) => o,
@@ -750,6 +751,12 @@ impl Inner {
                 // Every chunk is fenced on this node still owning the groups; each
                 // carries the maps as they are now (a fresher copy than the last chunk's).
                 free_maps: Vec::new(),
+                // Each chunk's settle records what it left for the next one.
+                expect: f
+                    .committed
+                    .as_ref()
+                    .and_then(|c| c.expect(c_off, c_end))
+                    .map(Box::new),
             };
             // The blocks this chunk points at become used in etcd's maps with it; the
             // rest of the pending change stays reserved (free there) until its chunk.
@@ -778,6 +785,7 @@ impl Inner {
         f.map_too_big = false;
         f.windows.clear();
         f.recent.clear();
+        f.committed = None;
         f.attr.size = p.committed_size;
         // The next etcd read of the attributes replaces them.
         f.attr_rev = 0;

@@ -26,8 +26,8 @@ use tokio::sync::Notify;
 use self::{commit::Request, ticket::ticket};
 pub use self::{
     mutation::{
-        AclInherit, DevRange, GroupLayout, Mutation, NewInode, Outcome, RenameMode, SetAttr,
-        TimeSet, UnlinkExpect, XattrMode, LOG_RELEASED_MAX,
+        AclInherit, DevRange, ExtentsExpect, ExtentsKnown, GroupLayout, Mutation, NewInode,
+        Outcome, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode, LOG_RELEASED_MAX,
     },
     own::{Origin, OwnCommits},
     plan::{plan, Plan, PlanCtx, Planned, Snapshot},

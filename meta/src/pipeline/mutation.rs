@@ -136,6 +136,54 @@ pub struct UnlinkExpect {
     pub parent: Option<InodeAttr>,
 }
 
+/// What a SetExtents expects etcd to hold (see [`Mutation::SetExtents::expect`]): the
+/// submitter's record of the file as its last commit left it. Only a guess: each part is
+/// compared, and a stale guess costs a re-plan from what etcd holds, never a wrong write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExtentsExpect {
+    /// The inode's attributes exactly as stored.
+    pub attr: InodeAttr,
+    /// Every extent key of the inode from the last one before the range (if any) to the
+    /// range's end, sorted: the keys the plan would otherwise read.
+    pub extents: Vec<crate::codec::Extent>,
+}
+
+/// Extent keys a SetExtents commit left, for the submitter's next expectation: the
+/// inode's keys at file offsets in `[start, end)` are exactly `extents` (sorted).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExtentsKnown {
+    /// First file offset the record covers.
+    pub start: u64,
+    /// First file offset after it.
+    pub end: u64,
+    /// The keys, as extents.
+    pub extents: Vec<crate::codec::Extent>,
+}
+
+impl ExtentsKnown {
+    /// What a commit of `[off, end)` may expect after the commit that left this record
+    /// and the inode `attr`: the last key before `off` and the keys inside, from the
+    /// record where it covers them and guessed absent past its end (an append's range).
+    /// None when the record cannot say which key comes last before `off`.
+    pub fn expectation(&self, attr: &InodeAttr, off: u64, end: u64) -> Option<ExtentsExpect> {
+        if off < self.start {
+            return None;
+        }
+        let before = self.extents.iter().rfind(|e| e.file_off < off);
+        if before.is_none() && self.start > 0 {
+            return None;
+        }
+        let inside = self
+            .extents
+            .iter()
+            .filter(|e| e.file_off >= off && e.file_off < end);
+        Some(ExtentsExpect {
+            attr: attr.clone(),
+            extents: before.into_iter().chain(inside).copied().collect(),
+        })
+    }
+}
+
 /// Where the allocation groups lie on the device, in bytes: group `i` is
 /// `[start + i * size, start + (i + 1) * size)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -274,6 +322,12 @@ pub enum Mutation {
         /// committed without its free-map change (and vice versa). Each is fenced on this
         /// session owning the group.
         free_maps: Vec<(GroupId, Vec<u8>)>,
+        /// What the submitter's record of its last commit says etcd holds. When given
+        /// (and nothing was read yet), the plan uses it instead of reading the inode and
+        /// its extents and guards it with value and emptiness compares, so an append's
+        /// commit (fsync) costs one round trip instead of two; a stale expectation fails
+        /// its compares and the mutation is re-planned from etcd (the expectation dropped).
+        expect: Option<Box<ExtentsExpect>>,
     },
     /// Persist free maps of groups this session owns (after a commit freed blocks in
     /// them). Fenced on ownership like `SetExtents::free_maps`.
@@ -343,8 +397,10 @@ impl Mutation {
 
     /// Drops what the submitter expected (after it proved stale): the next plan reads.
     pub fn forget_expectation(&mut self) {
-        if let Mutation::Unlink { expect, .. } = self {
-            *expect = None;
+        match self {
+            Mutation::Unlink { expect, .. } => *expect = None,
+            Mutation::SetExtents { expect, .. } => *expect = None,
+            _ => {}
         }
     }
 
@@ -419,4 +475,6 @@ pub struct Outcome {
     /// whether its mtime moves too (else only ctime), and the time that will be written
     /// (Touch never moves a time backwards). Lets the filesystem show them at once.
     pub touched: Vec<(Ino, bool, Timespec)>,
+    /// SetExtents: the extent keys around the range as the commit left them.
+    pub extents_known: Option<ExtentsKnown>,
 }

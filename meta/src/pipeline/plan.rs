@@ -21,8 +21,8 @@ use crate::{
     keys::Keyspace,
     kv::{Compare, KeyValue, PutOp, RangeRequest, RangeResponse, TxnOp},
     pipeline::mutation::{
-        AclInherit, DevRange, GroupLayout, Mutation, Outcome, RenameMode, TimeSet, UnlinkExpect,
-        XattrMode,
+        AclInherit, DevRange, ExtentsExpect, ExtentsKnown, GroupLayout, Mutation, Outcome,
+        RenameMode, TimeSet, UnlinkExpect, XattrMode,
     },
     types::{name_is_valid, FileType, Ino, SessionId, Timespec, XATTR_NAME_LEN_MAX},
 };
@@ -596,14 +596,18 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             size_at_least,
             touch_mtime,
             free_maps,
+            expect,
         } => plan_extents(
             &mut p,
             *ino,
-            *off,
-            *len,
-            extents,
-            *size_at_least,
-            *touch_mtime,
+            ExtentsChange {
+                off: *off,
+                len: *len,
+                new: extents,
+                size_at_least: *size_at_least,
+                touch_mtime: *touch_mtime,
+            },
+            expect.as_deref(),
         )
         .map(|()| plan_free_maps(&mut p, free_maps, &[])),
         Mutation::FreeMaps { maps, released } => {
@@ -1460,15 +1464,127 @@ fn subtract(from: Vec<DevRange>, minus: &[DevRange]) -> Vec<DevRange> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn plan_extents(
+/// A SetExtents' change, as submitted.
+struct ExtentsChange<'m> {
+    off: u64,
+    len: u64,
+    new: &'m [Extent],
+    size_at_least: Option<u64>,
+    touch_mtime: bool,
+}
+
+/// Most extent keys an expectation may name: an append's commit names one or two.
+const EXPECTED_EXTENTS_MAX: usize = 16;
+
+/// The keys of `expect` a plan of `[off, end)` on `ino` may rest on: sorted, at most one
+/// before `off` and first, none at or after `end`, and the inode a regular file. Anything
+/// else is a guess not worth guarding: the plan reads instead.
+fn usable_expectation(ino: Ino, off: u64, end: u64, expect: &ExtentsExpect) -> bool {
+    let keys = &expect.extents;
+    expect.attr.ino == ino
+        && expect.attr.kind == FileType::Regular
+        && keys.len() <= EXPECTED_EXTENTS_MAX
+        && keys.iter().all(|e| e.check().is_ok() && e.file_off < end)
+        && keys.windows(2).all(|w| w[0].file_end() <= w[1].file_off)
+        && keys.iter().skip(1).all(|e| e.file_off >= off)
+}
+
+/// The inode and the extent keys around `[off, end)` (the last key before `off`, if any,
+/// then every key inside), from the expectation when one is usable and nothing was read
+/// yet, else read. The guards go into the plan: mod revisions and "nothing appeared" for
+/// what was read; for what was expected, each value exactly and every gap between the
+/// keys empty, so the plan commits only if etcd holds precisely what it was planned from.
+fn extents_window(
     p: &mut P<'_>,
     ino: Ino,
     off: u64,
-    len: u64,
-    new: &[Extent],
-    size_at_least: Option<u64>,
-    touch_mtime: bool,
+    end: u64,
+    expect: Option<&ExtentsExpect>,
+) -> R<(InodeAttr, Vec<Extent>)> {
+    let k = p.keys();
+    let inside = RangeRequest::range(k.extent(ino, off), k.extent(ino, end))
+        .limit(EXTENTS_PER_MUTATION_MAX as i64);
+    let before = RangeRequest::range(k.extent(ino, 0), k.extent(ino, off))
+        .descending()
+        .limit(1);
+    let nothing_read = p.snap.key(&k.inode(ino)).is_none()
+        && p.snap.range(&inside).is_none()
+        && p.snap.range(&before).is_none();
+    if let Some(x) = expect.filter(|x| nothing_read && usable_expectation(ino, off, end, x)) {
+        p.compare(Compare::value(k.inode(ino), x.attr.encode()));
+        let mut gap_start = 0;
+        for (i, e) in x.extents.iter().enumerate() {
+            // Keys before the last one before `off` do not matter to the plan.
+            let guarded = i > 0 || e.file_off >= off;
+            if guarded && gap_start < e.file_off {
+                p.compare(Compare::range_empty(
+                    k.extent(ino, gap_start),
+                    k.extent(ino, e.file_off),
+                ));
+            }
+            p.compare(Compare::value(k.extent(ino, e.file_off), e.encode_value()));
+            gap_start = e.file_off + 1;
+        }
+        if gap_start < end {
+            p.compare(Compare::range_empty(
+                k.extent(ino, gap_start),
+                k.extent(ino, end),
+            ));
+        }
+        return Ok((x.attr.clone(), x.extents.clone()));
+    }
+    p.need(&[
+        inside.clone(),
+        before.clone(),
+        RangeRequest::key(k.inode(ino)),
+    ])?;
+    let (attr, irev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+    if attr.kind != FileType::Regular {
+        return Err(Stop::Fail(MetaError::Invalid(
+            "extents on a non-regular file",
+        )));
+    }
+    let inside_r = p.range(inside)?;
+    if inside_r.more {
+        return Err(Stop::Fail(MetaError::TooBig));
+    }
+    let mut window = Vec::new();
+    for kv in p.range(before)?.kvs.iter().chain(&inside_r.kvs) {
+        let Some(crate::keys::KeyKind::Extent(_, eoff)) = k.parse(&kv.key) else {
+            return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
+        };
+        let e = Extent::decode_value(eoff, &kv.value)
+            .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
+        if e.file_end() > off {
+            // The plan rewrites it: it must be the version read.
+            p.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
+        }
+        window.push(e);
+    }
+    // Nothing may have appeared in the range since we read it.
+    p.compare(Compare {
+        key: k.extent(ino, off),
+        range_end: Some(k.extent(ino, end)),
+        op: crate::kv::CompareOp::Less,
+        target: crate::kv::CompareTarget::ModRevision(inside_r.revision + 1),
+    });
+    p.compare(Compare::mod_rev(k.inode(ino), irev));
+    Ok((attr, window))
+}
+
+fn plan_extents(
+    p: &mut P<'_>,
+    ino: Ino,
+    change: ExtentsChange<'_>,
+    expect: Option<&ExtentsExpect>,
 ) -> R<()> {
+    let ExtentsChange {
+        off,
+        len,
+        new,
+        size_at_least,
+        touch_mtime,
+    } = change;
     let k = p.keys();
     let end = off
         .checked_add(len)
@@ -1487,42 +1603,11 @@ fn plan_extents(
         }
         last_end = e.file_end();
     }
-    let inside = RangeRequest::range(k.extent(ino, off), k.extent(ino, end))
-        .limit(EXTENTS_PER_MUTATION_MAX as i64);
-    let before = RangeRequest::range(k.extent(ino, 0), k.extent(ino, off))
-        .descending()
-        .limit(1);
-    p.need(&[
-        inside.clone(),
-        before.clone(),
-        RangeRequest::key(k.inode(ino)),
-    ])?;
-    let (mut attr, irev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
-    if attr.kind != FileType::Regular {
-        return Err(Stop::Fail(MetaError::Invalid(
-            "extents on a non-regular file",
-        )));
-    }
-    let inside_r = p.range(inside)?;
-    if inside_r.more {
-        return Err(Stop::Fail(MetaError::TooBig));
-    }
-    let mut old: Vec<(Extent, i64)> = Vec::new();
-    for kv in p.range(before)?.kvs.iter().chain(&inside_r.kvs) {
-        let Some(crate::keys::KeyKind::Extent(_, eoff)) = k.parse(&kv.key) else {
-            return Err(Stop::Fail(MetaError::Invalid("bad extent key")));
-        };
-        let e = Extent::decode_value(eoff, &kv.value)
-            .map_err(|e| Stop::Fail(e.at(k.describe(&kv.key))))?;
-        if e.file_end() > off {
-            old.push((e, kv.mod_revision));
-        }
-    }
+    let (mut attr, window) = extents_window(p, ino, off, end, expect)?;
     // Final action per extent key: Some(put) or None (delete).
     let mut actions: BTreeMap<u64, Option<Extent>> = BTreeMap::new();
     let mut released = Vec::new();
-    for (e, rev) in &old {
-        p.compare(Compare::mod_rev(k.extent(ino, e.file_off), *rev));
+    for e in window.iter().filter(|e| e.file_end() > off) {
         actions.insert(e.file_off, None);
         let (s, t) = (e.file_off.max(off), e.file_end().min(end));
         released.push(DevRange {
@@ -1549,23 +1634,31 @@ fn plan_extents(
             actions.insert(end, Some(tail));
         }
     }
-    // Nothing may have appeared in the range since we read it.
-    let seen_rev = inside_r.revision;
-    p.compare(Compare {
-        key: k.extent(ino, off),
-        range_end: Some(k.extent(ino, end)),
-        op: crate::kv::CompareOp::Less,
-        target: crate::kv::CompareTarget::ModRevision(seen_rev + 1),
-    });
     for e in new {
         actions.insert(e.file_off, Some(*e));
     }
+    // What the keys from the last one before `off` up to `end` are now (a tail cut off
+    // at `end` is left out: whether a key sat at `end` before was never read).
+    let before = window.first().filter(|e| e.file_off < off);
+    let mut known = ExtentsKnown {
+        start: before.map_or(0, |e| e.file_off),
+        end,
+        extents: before
+            .filter(|e| e.file_end() <= off)
+            .into_iter()
+            .copied()
+            .collect(),
+    };
     for (eoff, a) in actions {
         match a {
-            Some(e) => p
-                .plan
-                .ops
-                .push(TxnOp::put(k.extent(ino, eoff), e.encode_value())),
+            Some(e) => {
+                if e.file_off < end {
+                    known.extents.push(e);
+                }
+                p.plan
+                    .ops
+                    .push(TxnOp::put(k.extent(ino, eoff), e.encode_value()));
+            }
             None => p.delete(k.extent(ino, eoff)),
         }
     }
@@ -1579,7 +1672,6 @@ fn plan_extents(
     for r in subtract(released, &reused) {
         p.release(r);
     }
-    p.compare(Compare::mod_rev(k.inode(ino), irev));
     if let Some(s) = size_at_least {
         attr.size = attr.size.max(s);
     }
@@ -1590,6 +1682,7 @@ fn plan_extents(
     p.put(k.inode(ino), &attr);
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(attr);
+    p.plan.outcome.extents_known = Some(known);
     Ok(())
 }
 

@@ -194,6 +194,7 @@ impl World {
         };
         let m = Mutation::SetExtents {
             free_maps: Vec::new(),
+            expect: None,
             ino,
             off,
             len,
@@ -832,6 +833,7 @@ async fn extents_split_punch_and_convert() {
     };
     let m = Mutation::SetExtents {
         free_maps: Vec::new(),
+        expect: None,
         ino: f,
         off: 0,
         len: 16384,
@@ -848,6 +850,7 @@ async fn extents_split_punch_and_convert() {
     };
     let m = Mutation::SetExtents {
         free_maps: Vec::new(),
+        expect: None,
         ino: f,
         off: 4096,
         len: 4096,
@@ -886,6 +889,7 @@ async fn extents_split_punch_and_convert() {
     // Punch 2K..10K: trims the head, drops the middle, trims the tail.
     let m = Mutation::SetExtents {
         free_maps: Vec::new(),
+        expect: None,
         ino: f,
         off: 2048,
         len: 8192,
@@ -921,6 +925,7 @@ async fn extents_split_punch_and_convert() {
     // A concurrent extent write between plan and commit is caught.
     let m = Mutation::SetExtents {
         free_maps: Vec::new(),
+        expect: None,
         ino: f,
         off: 2048,
         len: 8192,
@@ -1185,6 +1190,7 @@ async fn freed_ranges_are_logged_in_the_freeing_txn() {
     // Punch the middle extent.
     let punch = Mutation::SetExtents {
         free_maps: Vec::new(),
+        expect: None,
         ino: f,
         off: 16384,
         len: 8192,
@@ -1492,4 +1498,178 @@ async fn an_inode_and_its_extents_read_at_one_revision() {
         .unwrap();
     assert_eq!(absent.attr, None);
     assert!(absent.extents.is_empty() && !absent.more);
+}
+
+fn written(file_off: u64, len: u64, dev_off: u64) -> Extent {
+    Extent {
+        file_off,
+        len,
+        dev_off,
+        unwritten: false,
+    }
+}
+
+fn append(ino: Ino, e: Extent, expect: Option<ExtentsExpect>) -> Mutation {
+    Mutation::SetExtents {
+        ino,
+        off: e.file_off,
+        len: e.len,
+        extents: vec![e],
+        size_at_least: Some(e.file_end()),
+        touch_mtime: true,
+        free_maps: Vec::new(),
+        expect: expect.map(Box::new),
+    }
+}
+
+/// What the submitter expects for `[off, end)` after outcome `o`.
+fn expectation_after(o: &Outcome, off: u64, end: u64) -> ExtentsExpect {
+    let known = o.extents_known.as_ref().unwrap();
+    known
+        .expectation(o.attr.as_ref().unwrap(), off, end)
+        .unwrap()
+}
+
+#[tokio::test]
+async fn appends_planned_from_the_last_commit_read_nothing_and_end_the_same() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let (p, rounds) = w
+        .plan(
+            &append(f, written(0, 4096, 1 << 20), None),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert_eq!(rounds, 1, "without an expectation the window is read");
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(
+        o.extents_known,
+        Some(ExtentsKnown {
+            start: 0,
+            end: 4096,
+            extents: vec![written(0, 4096, 1 << 20)],
+        })
+    );
+    // The next appends, each planned from the last one's record: no read at all.
+    let mut o = o;
+    for i in 1..4u64 {
+        let e = written(i * 4096, 4096, (1 << 20) + i * 8192);
+        let m = append(f, e, Some(expectation_after(&o, e.file_off, e.file_end())));
+        let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+        assert_eq!(rounds, 0, "append {i} planned from the record");
+        o = w.apply(&p.unwrap()).await.unwrap();
+        assert_eq!(o.attr.as_ref().unwrap().size, (i + 1) * 4096);
+        assert_eq!(w.inode(f).await, o.attr, "the outcome is what etcd holds");
+        // Only the key before the range is carried along, not the whole file.
+        assert_eq!(o.extents_known.as_ref().unwrap().extents.len(), 2);
+    }
+    assert_eq!(
+        w.extents(f)
+            .await
+            .iter()
+            .map(|e| e.file_off)
+            .collect::<Vec<_>>(),
+        vec![0, 4096, 8192, 12288]
+    );
+    // A partial block rewritten in place with the size raised: the key inside the range
+    // is expected too, and replaced.
+    let e = written(12288, 4096, 1 << 24);
+    let m = append(f, e, Some(expectation_after(&o, e.file_off, e.file_end())));
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    let o2 = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(
+        o2.freed,
+        vec![DevRange {
+            dev_off: (1 << 20) + 3 * 8192,
+            len: 4096
+        }]
+    );
+    assert_eq!(w.extents(f).await.last(), Some(&e));
+}
+
+#[tokio::test]
+async fn a_stale_extents_expectation_never_commits() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let o = w
+        .run(append(f, written(0, 8192, 1 << 20), None))
+        .await
+        .unwrap();
+    let exact = expectation_after(&o, 8192, 20480);
+    let next = written(8192, 4096, 1 << 22);
+    // Each way the guess can be wrong, planned and then committed against etcd as it is.
+    let mut stale_attr = exact.clone();
+    stale_attr.attr.size += 1;
+    let mut missing_before = exact.clone();
+    missing_before.extents.clear();
+    let mut wrong_before = exact.clone();
+    wrong_before.extents[0].len = 4096;
+    let mut phantom_inside = exact.clone();
+    phantom_inside.extents.push(written(8192, 4096, 1 << 23));
+    for (what, x) in [
+        ("attributes", stale_attr),
+        ("no key before", missing_before),
+        ("the key before", wrong_before),
+        ("a key inside", phantom_inside),
+    ] {
+        let (p, rounds) = w
+            .plan(&append(f, next, Some(x)), &mut Snapshot::default())
+            .await;
+        assert_eq!(rounds, 0, "{what}: planned from the guess");
+        assert!(
+            w.apply(&p.unwrap()).await.is_err(),
+            "{what}: must not commit"
+        );
+    }
+    // Etcd changed under an exact guess, the inode's value staying the same (no size or
+    // time set): a key appears inside the record, or in the range past it.
+    for (at, what) in [(8192, "inside"), (16384, "in the range past the record")] {
+        let g = w
+            .create(Ino::ROOT, &format!("g{at}"), FileType::Regular)
+            .await;
+        let o = w
+            .run(append(g, written(0, 8192, 1 << 20), None))
+            .await
+            .unwrap();
+        let m = Mutation::SetExtents {
+            ino: g,
+            off: 8192,
+            len: 12288,
+            extents: vec![written(8192, 4096, 1 << 22)],
+            size_at_least: Some(12288),
+            touch_mtime: true,
+            free_maps: Vec::new(),
+            expect: Some(Box::new(expectation_after(&o, 8192, 20480))),
+        };
+        let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+        assert_eq!(rounds, 0);
+        let before = w.inode(g).await;
+        w.run(Mutation::SetExtents {
+            ino: g,
+            off: at,
+            len: 4096,
+            extents: vec![written(at, 4096, 1 << 25)],
+            size_at_least: None,
+            touch_mtime: false,
+            free_maps: Vec::new(),
+            expect: None,
+        })
+        .await
+        .unwrap();
+        assert_eq!(w.inode(g).await, before, "the inode's value is unchanged");
+        assert!(w.apply(&p.unwrap()).await.is_err(), "a key {what}");
+    }
+    // A guess that is not about this file, or not sorted: read instead.
+    let mut other = exact.clone();
+    other.attr.ino = Ino(f.0 + 1);
+    let mut unsorted = exact.clone();
+    unsorted.extents.push(written(0, 4096, 1 << 26));
+    for x in [other, unsorted] {
+        let (p, rounds) = w
+            .plan(&append(f, next, Some(x)), &mut Snapshot::default())
+            .await;
+        assert_eq!(rounds, 1, "an unusable guess is not planned from");
+        w.apply(&p.unwrap()).await.unwrap();
+    }
 }
