@@ -606,7 +606,11 @@ fn extents_expectations(client: &MetaClient) {
         extent(10, (1 << 26) + 4096),
     ]);
     assert_eq!(map, want);
-    assert_eq!(o.attr.unwrap().size, 10 * 4096, "the other writer raised no size");
+    assert_eq!(
+        o.attr.unwrap().size,
+        10 * 4096,
+        "the other writer raised no size"
+    );
     client.flush(None).unwrap().wait().unwrap();
     client
         .commit(Mutation::Unlink {
