@@ -19,6 +19,10 @@ pub(super) struct MapAtOpen {
 
 /// Caches the first `EXTENTS_CACHED_MAX` extents of a file's map: the whole map, or
 /// (`more`) its first window of a map too large to cache.
+/// Most extents a file's map may have for its record at open ([`files::CommittedRecord`]):
+/// a record is a copy, and a commit expects at most a handful of keys from it.
+const RECORD_AT_OPEN_EXTENTS_MAX: usize = 64;
+
 fn install_map(f: &mut files::FileInner, list: Vec<FileExtent>, more: bool) {
     if more {
         f.map_too_big = true;
@@ -109,6 +113,18 @@ impl Inner {
             return;
         }
         if self.caches.blocks_gen() == map.gen {
+            // Read with the attributes, in one view: what etcd holds as the file is
+            // opened, so its first commit may plan from it as from a commit's record.
+            if !map.more && map.extents.len() <= RECORD_AT_OPEN_EXTENTS_MAX {
+                f.committed = Some(files::CommittedRecord {
+                    attr: f.attr.clone(),
+                    known: meta::pipeline::ExtentsKnown {
+                        start: 0,
+                        end: u64::MAX,
+                        extents: map.extents.iter().map(to_meta_extent).collect(),
+                    },
+                });
+            }
             install_map(&mut f, map.extents, map.more);
         } else if let Err(e) = self.extents_for(&mut f, st.ino, 0, 0) {
             log::debug!("reading the extents of inode {} at open: {e:?}", st.ino);

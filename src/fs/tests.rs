@@ -3418,3 +3418,61 @@ fn small_overwrites_are_held_and_every_reader_and_writer_sees_them() {
     let cfh = c.open(ino);
     same(&c.read(ino, cfh, 0, on_device.len() as u32), &on_device);
 }
+
+/// A file's commits plan from what the last one (or the open) left: a created file's
+/// first fsync and each append's fdatasync read nothing from etcd. A truncate or another
+/// node's turn makes the record stale: the next commit reads, never fails a compare on it,
+/// and every byte ends where it was written.
+#[test]
+fn commits_plan_from_the_last_ones_record() {
+    let mut a = Fx::new();
+    let reads = |fx: &Fx| counter(fx, "etcd_read_txns");
+    let conflicts = |fx: &Fx| counter(fx, "etcd_compare_failures");
+    let (ino, fh) = a.create(ROOT, b"log");
+    let r0 = reads(&a);
+    let mut model = pattern(1, 6000);
+    a.write(ino, fh, 0, &model);
+    a.fdatasync(ino, fh);
+    assert_eq!(
+        reads(&a) - r0,
+        0,
+        "a created file's write and fdatasync read nothing"
+    );
+    for i in 0..6u8 {
+        let line = pattern(10 + i, 100 + usize::from(i) * 700);
+        a.write(ino, fh, model.len() as u64, &line);
+        a.fdatasync(ino, fh);
+        model.extend_from_slice(&line);
+    }
+    assert_eq!(
+        reads(&a) - r0,
+        0,
+        "appends planned from the last commit's record"
+    );
+    // A truncate is another kind of commit: it leaves no record, the next append reads.
+    model.truncate(5000);
+    a.truncate(ino, 5000);
+    let r1 = reads(&a);
+    let line = pattern(30, 3000);
+    a.write(ino, fh, 5000, &line);
+    a.fdatasync(ino, fh);
+    model.extend_from_slice(&line);
+    assert!(reads(&a) > r1, "after a truncate the commit reads");
+    same(&a.read(ino, fh, 0, model.len() as u32 + 10), &model);
+    // Another node appends in between: this node's record is stale.
+    let mut b = a.another_mount(&CacheOpts::uniform(Duration::from_secs(1)));
+    let fb = b.open(ino);
+    let theirs = pattern(40, 2500);
+    b.write(ino, fb, model.len() as u64, &theirs);
+    b.fdatasync(ino, fb);
+    model.extend_from_slice(&theirs);
+    let mine = pattern(50, 1500);
+    a.write(ino, fh, model.len() as u64, &mine);
+    a.fdatasync(ino, fh);
+    model.extend_from_slice(&mine);
+    assert_eq!(conflicts(&a), 0, "no commit planned from a stale record");
+    same(&a.read(ino, fh, 0, model.len() as u32 + 10), &model);
+    same(&b.read(ino, fb, 0, model.len() as u32 + 10), &model);
+    b.release(ino, fb);
+    a.release(ino, fh);
+}
