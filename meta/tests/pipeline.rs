@@ -634,6 +634,62 @@ async fn extents_with_expectations_on_the_model() {
         .unwrap();
 }
 
+/// An expectation whose value and gap compares do not fit a small transaction is dropped
+/// and the mutation planned from reads (fewer compares), not failed as too big.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expectation_too_big_for_the_transaction_plans_from_reads() {
+    let c = clock();
+    let (kv, keys) = formatted(c.clone()).await;
+    let cfg = Config {
+        batch_ops_max: 8,
+        ..Config::default()
+    };
+    let p = start(kv, &keys, 1, c, cfg);
+    let client = p.client();
+    tokio::task::spawn_blocking(move || {
+        let f = client
+            .commit(create(Ino::ROOT, "five", FileType::Regular))
+            .unwrap()
+            .ino
+            .unwrap();
+        // Five keys, each its own extent (not contiguous on the device).
+        let five: Vec<meta::codec::Extent> = (0..5u64)
+            .map(|i| meta::codec::Extent {
+                file_off: i * 4096,
+                len: 4096,
+                dev_off: (1 << 20) + i * 8192,
+                unwritten: false,
+            })
+            .collect();
+        let rewrite = |expect: Option<ExtentsExpect>| {
+            client.commit(Mutation::SetExtents {
+                ino: f,
+                off: 0,
+                len: 5 * 4096,
+                extents: five.clone(),
+                size_at_least: Some(5 * 4096),
+                touch_mtime: true,
+                free_maps: Vec::new(),
+                expect: expect.map(Box::new),
+            })
+        };
+        let o = rewrite(None).unwrap();
+        let exact = o
+            .extents_known
+            .as_ref()
+            .unwrap()
+            .expectation(o.attr.as_ref().unwrap(), 0, 5 * 4096)
+            .unwrap();
+        assert_eq!(exact.extents, five);
+        // 11 compares with the expectation, 7 from reads; 6 operations either way.
+        let reads = client.stats().read_txns;
+        rewrite(Some(exact)).expect("planned from reads instead");
+        assert!(client.stats().read_txns > reads);
+    })
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unlink_with_expectations_on_the_model() {
     let c = clock();

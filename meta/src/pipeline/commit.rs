@@ -661,6 +661,7 @@ impl Committer {
             .collect();
         let now = self.clock.wall();
         let room = self.ops_room();
+        let bytes_max = self.cfg.txn_bytes_max;
         for id in ids {
             let needs_ino = self
                 .works
@@ -689,7 +690,19 @@ impl Committer {
                 lock_at_create: self.cfg.registered,
                 read_only: self.cfg.read_only,
             };
-            match plan(&w.m, &w.snap, &ctx) {
+            let too_big = |p: &Plan| {
+                p.compares.len() > room || p.ops.len() > room || plan_bytes(p) > bytes_max
+            };
+            let planned = loop {
+                let planned = plan(&w.m, &w.snap, &ctx);
+                // An expectation's value and gap compares may outgrow a small transaction
+                // where the read plan's revision compares fit: plan again without it.
+                if matches!(&planned, Planned::Ready(p) if too_big(p)) && w.m.forget_expectation() {
+                    continue;
+                }
+                break planned;
+            };
+            match planned {
                 Planned::Ready(p) => {
                     if p.ops.is_empty() {
                         let mut o = p.outcome;
@@ -697,10 +710,7 @@ impl Committer {
                         self.finish(id, Ok(o));
                         continue;
                     }
-                    let too_big = p.compares.len() > room
-                        || p.ops.len() > room
-                        || plan_bytes(&p) > self.cfg.txn_bytes_max;
-                    if too_big {
+                    if too_big(&p) {
                         self.finish(id, Err(MetaError::TooBig));
                         continue;
                     }

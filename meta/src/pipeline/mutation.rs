@@ -395,12 +395,13 @@ impl Mutation {
         matches!(self, Mutation::Create { .. })
     }
 
-    /// Drops what the submitter expected (after it proved stale): the next plan reads.
-    pub fn forget_expectation(&mut self) {
+    /// Drops what the submitter expected (after it proved stale, or made the plan too
+    /// big for one transaction): the next plan reads. Whether there was an expectation.
+    pub fn forget_expectation(&mut self) -> bool {
         match self {
-            Mutation::Unlink { expect, .. } => *expect = None,
-            Mutation::SetExtents { expect, .. } => *expect = None,
-            _ => {}
+            Mutation::Unlink { expect, .. } => expect.take().is_some(),
+            Mutation::SetExtents { expect, .. } => expect.take().is_some(),
+            _ => false,
         }
     }
 
