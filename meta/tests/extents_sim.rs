@@ -11,17 +11,17 @@
 //! coins (thread interleaving is not reproduced: the nodes are real threads).
 #![allow(clippy::unwrap_used, clippy::panic)]
 
+mod common;
+
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use meta::{
-    clock::{Clock, ManualClock},
-    codec::{Extent, SuperRecord},
-    format::{format, RootOwner},
+    clock::ManualClock,
+    codec::Extent,
     keys::Keyspace,
-    kv::KvBackend,
     model::{Faults, MemEtcd},
     pipeline::{Config, Mutation, NewInode, Outcome, Pipeline},
-    types::{FileType, Ino, SessionId, Timespec},
+    types::{FileType, Ino},
 };
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
@@ -111,25 +111,10 @@ fn run_seed(seed: u64) {
         .enable_all()
         .build()
         .unwrap();
-    let clock = Arc::new(ManualClock::new(Timespec::new(1_700_000_000, 0)));
+    let clock = Arc::new(ManualClock::new(common::T0));
     let kv = Arc::new(MemEtcd::new(clock.clone()));
     let keys = Keyspace::new("xsim").unwrap();
-    let sb = SuperRecord {
-        uuid: [5; 16],
-        format_version: 1,
-        block_size: 4096,
-        group_size: 1 << 26,
-        group_count: 4,
-        device_size: 1 << 28,
-        created: Timespec::new(1, 0),
-    };
-    let root = RootOwner {
-        uid: 0,
-        gid: 0,
-        perm: 0o755,
-    };
-    rt.block_on(format(&*kv, &keys, &sb, root, Timespec::new(1, 0), false))
-        .unwrap();
+    rt.block_on(common::format_model(&kv, &keys));
     let mut rng = SmallRng::seed_from_u64(seed);
     let faults = Faults {
         txn_latency: Duration::from_micros(if rng.gen_bool(0.5) { 300 } else { 0 }),
@@ -143,19 +128,7 @@ fn run_seed(seed: u64) {
     };
     eprintln!("faults: {faults:?}");
     let pipelines: Vec<Pipeline> = (0..NODES)
-        .map(|n| {
-            let kv2 = kv.clone();
-            let connect: meta::pipeline::Connect =
-                Box::new(move || Box::pin(async move { Ok(kv2 as Arc<dyn KvBackend>) }));
-            Pipeline::start(
-                connect,
-                keys.clone(),
-                SessionId(n + 1),
-                clock.clone() as Arc<dyn Clock>,
-                Config::default(),
-            )
-            .unwrap()
-        })
+        .map(|n| common::start(kv.clone(), &keys, n + 1, clock.clone(), Config::default()))
         .collect();
     let c0 = pipelines[0].client();
     let files: Vec<Ino> = ["a", "b"]

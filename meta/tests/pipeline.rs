@@ -28,7 +28,7 @@ use meta::{
     types::{FileType, Ino, SessionId, Timespec},
 };
 
-use common::T0;
+use common::{start, T0};
 
 async fn formatted(clock: Arc<ManualClock>) -> (Arc<MemEtcd>, Keyspace) {
     let kv = Arc::new(MemEtcd::new(clock));
@@ -39,25 +39,6 @@ async fn formatted(clock: Arc<ManualClock>) -> (Arc<MemEtcd>, Keyspace) {
         Err(MetaError::Exists)
     );
     (kv, keys)
-}
-
-fn start(
-    kv: Arc<MemEtcd>,
-    keys: &Keyspace,
-    session: u64,
-    clock: Arc<ManualClock>,
-    cfg: Config,
-) -> Pipeline {
-    let connect: meta::pipeline::Connect =
-        Box::new(move || Box::pin(async move { Ok(kv as Arc<dyn KvBackend>) }));
-    Pipeline::start(
-        connect,
-        keys.clone(),
-        SessionId(session),
-        clock as Arc<dyn Clock>,
-        cfg,
-    )
-    .unwrap()
 }
 
 fn create(parent: Ino, name: &str, kind: FileType) -> Mutation {

@@ -83,13 +83,6 @@ pub(crate) struct CommittedRecord {
     pub(crate) known: ExtentsKnown,
 }
 
-impl CommittedRecord {
-    /// What the next commit of `[off, end)` may expect ([`ExtentsKnown::expectation`]).
-    pub(crate) fn expect(&self, off: u64, end: u64) -> Option<ExtentsExpect> {
-        self.known.expectation(&self.attr, off, end)
-    }
-}
-
 /// Blocks kept by [`RecentBlocks`] per open file: the two edges of the last write and the
 /// blocks its device read brought along ([`RECENT_READ_AHEAD`]).
 pub(crate) const RECENT_BLOCKS_MAX: usize = 12;
@@ -433,6 +426,13 @@ impl FileInner {
         if now > shown {
             self.mtime_dirty = Some(now);
         }
+    }
+
+    /// What a commit of `[off, end)` may expect from the record of the last one
+    /// ([`ExtentsKnown::expectation`]).
+    pub(crate) fn expect_extents(&self, off: u64, end: u64) -> Option<Box<ExtentsExpect>> {
+        let c = self.committed.as_ref()?;
+        c.known.expectation(&c.attr, off, end).map(Box::new)
     }
 
     /// Drops the cached map unless pending writes live in it (see [`Files::forget_extents`]).

@@ -17,12 +17,12 @@ pub(super) struct MapAtOpen {
     pub(super) gen: u64,
 }
 
-/// Caches the first `EXTENTS_CACHED_MAX` extents of a file's map: the whole map, or
-/// (`more`) its first window of a map too large to cache.
 /// Most extents a file's map may have for its record at open ([`files::CommittedRecord`]):
 /// a record is a copy, and a commit expects at most a handful of keys from it.
 const RECORD_AT_OPEN_EXTENTS_MAX: usize = 64;
 
+/// Caches the first `EXTENTS_CACHED_MAX` extents of a file's map: the whole map, or
+/// (`more`) its first window of a map too large to cache.
 fn install_map(f: &mut files::FileInner, list: Vec<FileExtent>, more: bool) {
     if more {
         f.map_too_big = true;
@@ -460,7 +460,7 @@ impl Inner {
             size_at_least: Some(end),
             touch_mtime: true,
             free_maps: Vec::new(),
-            expect: None,
+            expect: f.expect_extents(plan.block_off, plan.block_off + plan.block_len),
         };
         let out = match self.commit_allocation_locked(&mut f, m, &allocated) {
             Ok(o) => o,
@@ -768,11 +768,7 @@ impl Inner {
                 // carries the maps as they are now (a fresher copy than the last chunk's).
                 free_maps: Vec::new(),
                 // Each chunk's settle records what it left for the next one.
-                expect: f
-                    .committed
-                    .as_ref()
-                    .and_then(|c| c.expect(c_off, c_end))
-                    .map(Box::new),
+                expect: f.expect_extents(c_off, c_end),
             };
             // The blocks this chunk points at become used in etcd's maps with it; the
             // rest of the pending change stays reserved (free there) until its chunk.

@@ -1463,7 +1463,6 @@ fn subtract(from: Vec<DevRange>, minus: &[DevRange]) -> Vec<DevRange> {
     cur
 }
 
-#[allow(clippy::too_many_arguments)]
 /// A SetExtents' change, as submitted.
 struct ExtentsChange<'m> {
     off: u64,

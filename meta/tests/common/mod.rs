@@ -1,12 +1,17 @@
 //! Set-up shared by the meta crate's integration tests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+use std::sync::Arc;
+
 use meta::{
+    clock::{Clock, ManualClock},
     codec::SuperRecord,
     format::{format, RootOwner},
     keys::Keyspace,
+    kv::KvBackend,
     model::MemEtcd,
-    types::Timespec,
+    pipeline::{Config, Pipeline},
+    types::{SessionId, Timespec},
 };
 
 /// The model clock's start, and every test filesystem's creation time.
@@ -37,4 +42,24 @@ pub(crate) async fn format_model(etcd: &MemEtcd, keys: &Keyspace) {
     format(etcd, keys, &superblock(), ROOT, T0, false)
         .await
         .unwrap();
+}
+
+/// A pipeline of session `session` on the model `kv`.
+pub(crate) fn start(
+    kv: Arc<MemEtcd>,
+    keys: &Keyspace,
+    session: u64,
+    clock: Arc<ManualClock>,
+    cfg: Config,
+) -> Pipeline {
+    let connect: meta::pipeline::Connect =
+        Box::new(move || Box::pin(async move { Ok(kv as Arc<dyn KvBackend>) }));
+    Pipeline::start(
+        connect,
+        keys.clone(),
+        SessionId(session),
+        clock as Arc<dyn Clock>,
+        cfg,
+    )
+    .unwrap()
 }
