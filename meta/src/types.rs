@@ -147,6 +147,14 @@ pub const XATTR_NAME_LEN_MAX: usize = 255;
 /// Largest xattr value (bytes), as Linux `XATTR_SIZE_MAX`.
 pub const XATTR_VALUE_LEN_MAX: usize = 65536;
 
+/// `perm` with set-user-id cleared, and set-group-id when group-execute is set: what a
+/// chown, or a write or truncate by someone else than the owner, leaves (the kernel's rule;
+/// set-group-id without group-execute marks mandatory locking and stays).
+pub fn kill_suidgid(perm: u16) -> u16 {
+    let sgid = if perm & 0o010 != 0 { 0o2000 } else { 0 };
+    perm & !(0o4000 | sgid)
+}
+
 /// Whether `name` is a legal single path component for a directory entry.
 pub fn name_is_valid(name: &[u8]) -> bool {
     !name.is_empty()

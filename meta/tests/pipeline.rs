@@ -419,6 +419,7 @@ fn unlink_expectations(client: &MetaClient) {
             name: name.as_bytes().to_vec(),
             dir,
             keep_open: false,
+            drop_own_hold: false,
             expect: expect.map(Box::new),
         })
     };
@@ -599,6 +600,7 @@ fn extents_expectations(client: &MetaClient) {
             name: b"appended".to_vec(),
             dir: false,
             keep_open: false,
+            drop_own_hold: false,
             expect: None,
         })
         .unwrap();
@@ -748,6 +750,7 @@ fn pipeline_on_real_etcd() {
         name: name.into_bytes(),
         dir: false,
         keep_open: false,
+        drop_own_hold: false,
         expect: None,
     };
     let ts: Vec<_> = (0..n)
@@ -761,6 +764,7 @@ fn pipeline_on_real_etcd() {
         name: b"d".to_vec(),
         dir: true,
         keep_open: false,
+        drop_own_hold: false,
         expect: None,
     };
     client.flush(None).unwrap().wait().unwrap();
@@ -1038,6 +1042,7 @@ async fn large_file_is_reclaimed_in_logged_chunks() {
             name: b"big".to_vec(),
             dir: false,
             keep_open: false,
+            drop_own_hold: false,
             expect: None,
         })
         .unwrap();

@@ -104,6 +104,7 @@ async fn crash_frees_groups_and_orphans_on_model() {
         name: b"f".to_vec(),
         dir: false,
         keep_open: true,
+        drop_own_hold: false,
         expect: None,
     };
     apply(&*kv, &keys, unlink, &a, None).await;

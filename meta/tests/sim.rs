@@ -66,6 +66,7 @@ fn to_mutation(op: &Op, seen: Option<&Seen>) -> Mutation {
                 name: n.into_bytes(),
                 dir: false,
                 keep_open: false,
+                drop_own_hold: false,
                 expect,
             }
         }

@@ -159,6 +159,7 @@ fn unlink(name: &str) -> Mutation {
         name: name.as_bytes().to_vec(),
         dir: false,
         keep_open: false,
+        drop_own_hold: false,
         expect: None,
     }
 }

@@ -17,7 +17,9 @@
 //!   between deleting the inode and keeping it as an orphan (`O<ino>`): with no open
 //!   record it compares the inode's `H` range empty and deletes; with one it compares
 //!   that record unchanged and writes the orphan. Either way a concurrent open or close
-//!   fails the compare and the decision is made again.
+//!   fails the compare and the decision is made again. A record this node keeps only for
+//!   a reopen (its opens are closed) is deleted in the unlink's transaction and does not
+//!   count (`Unlink::drop_own_hold`), the inode's stripe held across the commit.
 //! * **Last close.** `Unhold` deletes the record compared on "no orphan record". When the
 //!   file is an orphan, that compare fails and the retry reads the inode's open records:
 //!   with another node's still there, only ours goes (compared on theirs, so their close
@@ -107,6 +109,8 @@ pub(crate) struct Held {
     unholds: Box<[AtomicU64]>,
     /// Records kept after the last close, over all stripes (bounded by `IDLE_HOLDS_MAX`).
     idle: AtomicUsize,
+    /// [`IDLE_HOLD`], in ns (unit tests of the kept record set it).
+    idle_hold_ns: AtomicU64,
     /// Ranges folded from released records of groups this node owns: the record's
     /// revision (that of the commit that wrote it), and when.
     folded: Mutex<VecDeque<(Extent, i64, Instant)>>,
@@ -127,6 +131,7 @@ impl Default for Held {
             stripes: (0..STRIPES).map(|_| Mutex::default()).collect(),
             unholds: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             idle: AtomicUsize::new(0),
+            idle_hold_ns: AtomicU64::new(IDLE_HOLD.as_nanos() as u64),
             folded: Mutex::default(),
             seen: Mutex::default(),
             orphan_cursor: Mutex::default(),
@@ -144,6 +149,17 @@ impl Held {
         lock(&self.stripes[Self::stripe_of(ino)])
     }
 
+    fn idle_hold(&self) -> Duration {
+        Duration::from_nanos(self.idle_hold_ns.load(Ordering::Relaxed))
+    }
+
+    /// Keeps closed files' records for `d` (the unit tests' default is none).
+    #[cfg(test)]
+    pub(crate) fn set_idle_hold(&self, d: Duration) {
+        self.idle_hold_ns
+            .store(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
     /// The session was fenced: its open records go with its lease, and handles opened
     /// under it never close through here.
     pub(crate) fn fence(&self) {
@@ -153,11 +169,6 @@ impl Held {
         self.idle.store(0, Ordering::Release);
         lock(&self.folded).clear();
         lock(&self.seen).clear();
-    }
-
-    /// Whether this node has `ino` open.
-    pub(crate) fn is_held(&self, ino: u64) -> bool {
-        self.stripe(ino).count.get(&ino).is_some_and(|n| *n > 0)
     }
 
     /// Taken before a create-and-open is committed.
@@ -256,7 +267,7 @@ impl Inner {
         }
         s.count.remove(&ino);
         if !orphan
-            && !IDLE_HOLD.is_zero()
+            && !self.held.idle_hold().is_zero()
             && self.held.idle.load(Ordering::Acquire) < IDLE_HOLDS_MAX
         {
             s.idle.insert(ino, Instant::now());
@@ -272,12 +283,13 @@ impl Inner {
         if self.held.idle.load(Ordering::Acquire) == 0 {
             return;
         }
+        let keep = self.held.idle_hold();
         for i in 0..STRIPES {
             let due: Vec<u64> = {
                 let s = lock(&self.held.stripes[i]);
                 s.idle
                     .iter()
-                    .filter(|(_, t)| all || t.elapsed() >= IDLE_HOLD)
+                    .filter(|(_, t)| all || t.elapsed() >= keep)
                     .map(|(&ino, _)| ino)
                     .collect()
             };
@@ -300,6 +312,34 @@ impl Inner {
             self.held.idle.fetch_sub(1, Ordering::AcqRel);
             self.unhold_locked(ino, s);
         }
+    }
+
+    /// Runs an unlink of a name of non-directory `ino` here, told whether this node has
+    /// it open (`keep_open`) and whether its open record is kept only for an open that
+    /// might follow (`drop_own_hold`): the unlink then deletes the record in its own
+    /// transaction, one commit fewer than an `Unhold` first (a create, write, close, rm
+    /// cycle: a temporary file, a database's rollback journal). The inode's stripe is held
+    /// across that commit, so that an open here cannot put the record again meanwhile.
+    pub(super) fn unlink_with_own_record<T>(
+        &self,
+        ino: u64,
+        unlink: impl FnOnce(bool, bool) -> Result<T, Errno>,
+    ) -> Result<T, Errno> {
+        let mut s = self.held.stripe(ino);
+        let keep_open = s.count.get(&ino).is_some_and(|n| *n > 0);
+        if keep_open || s.idle.remove(&ino).is_none() {
+            drop(s);
+            return unlink(keep_open, false);
+        }
+        self.held.idle.fetch_sub(1, Ordering::AcqRel);
+        self.held.unholds[Held::stripe_of(ino)].fetch_add(1, Ordering::AcqRel);
+        let r = unlink(false, true);
+        if r.is_err() {
+            // Whether the record went with a failed unlink is not known: it goes on its
+            // own, as it did before the unlink carried it.
+            self.unhold_locked(ino, s);
+        }
+        r
     }
 
     /// Deletes this node's open record of `ino` (no open of it left here), holding its

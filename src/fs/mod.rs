@@ -663,8 +663,7 @@ struct DirHandle {
 /// (the kernel says so with its kill flag), as ext4 clears them: set-user-id always,
 /// set-group-id only with group execute (without it the bit marks mandatory locking).
 fn killed_perm(perm: u16) -> u16 {
-    let sgid = if perm & 0o010 != 0 { 0o2000 } else { 0 };
-    perm & !(0o4000 | sgid)
+    meta::types::kill_suidgid(perm)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -1221,11 +1220,11 @@ impl Inner {
     }
 
     fn kill_suid(&self, ino: u64) -> Result<(), Errno> {
-        let perm = killed_perm(self.get_attr(ino)?.perm);
         self.commit(Mutation::SetAttr {
             ino: Ino(ino),
             set: SetAttr {
-                perm: Some(perm),
+                kill_suidgid: true,
+                expect: self.caches.attr(ino).map(Box::new),
                 ..SetAttr::default()
             },
         })?;

@@ -96,25 +96,25 @@ impl Inner {
             })),
             Lookup::Absent | Lookup::Unknown { .. } => None,
         };
-        if let Some(e) = &expect {
-            // A record kept only for an open that might follow would make the file an
-            // orphan whose space comes back a second later: rm then write got ENOSPC.
-            self.drop_idle_hold(e.entry.ino.0);
-        }
-        let keep_open = !dir
-            && expect
-                .as_ref()
-                .is_some_and(|e| self.held.is_held(e.entry.ino.0));
-        let m = Mutation::Unlink {
-            parent: Ino(parent),
-            name: name.to_vec(),
-            dir,
-            // Held open here: kept as an orphan without reading the open records (which
-            // decide otherwise, every node's).
-            keep_open,
-            expect,
+        let child = expect.as_ref().filter(|_| !dir).map(|e| e.entry.ino.0);
+        let unlink = |keep_open: bool, drop_own_hold: bool| {
+            self.commit(Mutation::Unlink {
+                parent: Ino(parent),
+                name: name.to_vec(),
+                dir,
+                // Held open here: kept as an orphan without reading the open records
+                // (which decide otherwise, every node's).
+                keep_open,
+                // A record kept only for an open that might follow would make the file an
+                // orphan whose space comes back a second later: rm then write got ENOSPC.
+                drop_own_hold,
+                expect,
+            })
         };
-        self.commit(m)?;
+        match child {
+            Some(ino) => self.unlink_with_own_record(ino, unlink)?,
+            None => unlink(false, false)?,
+        };
         Ok(Done::Empty)
     }
 

@@ -31,12 +31,8 @@ impl Inner {
         } else if v & abi::FATTR_MTIME != 0 {
             set.mtime = Some(TimeSet::At(wire_time(a.mtime, a.mtimensec)?));
         }
-        if v & abi::FATTR_KILL_SUIDGID != 0 && set.perm.is_none() {
-            let cur = self.get_attr(ino)?;
-            if killed_perm(cur.perm) != cur.perm {
-                set.perm = Some(killed_perm(cur.perm));
-            }
-        }
+        // Decided by the plan on the mode it changes (a read here cost a round trip).
+        set.kill_suidgid = v & abi::FATTR_KILL_SUIDGID != 0;
         if v & abi::FATTR_SIZE != 0 {
             if a.size > FILE_SIZE_MAX {
                 return Err(Errno::EFBIG);
@@ -62,6 +58,8 @@ impl Inner {
                 st.lock().mtime_dirty = None;
             }
         }
+        // Planned from the cached inode (compared by value): one round trip, not two.
+        set.expect = self.caches.attr(ino).map(Box::new);
         let out = self.commit(Mutation::SetAttr { ino: Ino(ino), set })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
         // An open file's state holds writes pending since (its size is never smaller).

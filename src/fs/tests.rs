@@ -2288,6 +2288,7 @@ fn freed_blocks_survive_a_crash_before_the_free_map_write() {
             name: b"f".to_vec(),
             dir: false,
             keep_open: false,
+            drop_own_hold: false,
             expect: None,
         })
         .unwrap();
@@ -3523,4 +3524,70 @@ fn fsync_of_a_file_leaves_the_directory_timestamps_to_the_coalescer() {
         written(&a) > w0,
         "the directory's fsync writes its timestamps"
     );
+}
+
+/// A chmod or utimes of a file whose attributes this node has cached commits in one round
+/// trip: planned from the cache, compared by value, nothing read first.
+#[test]
+fn setattr_of_a_cached_inode_reads_nothing() {
+    let mut a = Fx::new();
+    let reads = |fx: &Fx| counter(fx, "etcd_read_txns");
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.release(ino, fh);
+    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let r0 = reads(&a);
+    for (i, mode) in [0o600u32, 0o640, 0o604].into_iter().enumerate() {
+        a.ok(
+            ino,
+            Operation::Setattr(SetattrIn {
+                valid: FATTR_MODE | FATTR_MTIME,
+                mode,
+                mtime: 1_000 + i as u64,
+                ..SetattrIn::default()
+            }),
+        );
+    }
+    // Background work may read etcd now and then; each setattr read once before.
+    let read = reads(&a) - r0;
+    assert!(read <= 1, "3 setattrs read etcd {read} times");
+    let attr = a.getattr(ino).attr;
+    assert_eq!((attr.mode & 0o777, attr.mtime), (0o604, 1_002));
+}
+
+/// A file closed here keeps its open record a moment, for a reopen. Its unlink deletes the
+/// record in the unlink's own commit: no more commits than for a file whose record went at
+/// its close (a create, write, close, rm cycle paid one more), and the file is deleted at
+/// once, not left an orphan (its space came back a second later: rm then write got ENOSPC).
+#[test]
+fn an_unlink_after_close_takes_the_kept_open_record_with_it() {
+    let mut fx = Fx::new();
+    let inner = fx.fs.inner().clone();
+    let free0 = fx.statfs().bfree;
+    let mut commits = Vec::new();
+    for (name, keep) in [
+        (&b"closed"[..], Duration::ZERO),
+        (b"kept", Duration::from_secs(60)),
+    ] {
+        inner.held.set_idle_hold(keep);
+        let (ino, fh) = fx.create(ROOT, name);
+        fx.write(ino, fh, 0, &pattern(4, 30_000));
+        fx.fsync(ino, fh);
+        fx.release(ino, fh);
+        let records = fx.kv.dump(b"t/H", b"t/I").len();
+        assert_eq!(records, usize::from(!keep.is_zero()), "{name:?}");
+        inner.meta.flush(None).unwrap().wait().unwrap();
+        let r0 = fx.kv.revision();
+        fx.ok(ROOT, Operation::Unlink { name });
+        // Its free-map write too (the directory's times stay coalesced).
+        let f = meta::types::Ino(ino);
+        inner.meta.flush(Some(f)).unwrap().wait().unwrap();
+        commits.push(fx.kv.revision() - r0);
+        assert!(fx.kv.dump(b"t/H", b"t/I").is_empty(), "{name:?}");
+        assert!(
+            fx.kv.dump(b"t/O", b"t/P").is_empty(),
+            "{name:?} left an orphan"
+        );
+        assert_eq!(fx.statfs().bfree, free0, "{name:?}: space back at once");
+    }
+    assert_eq!(commits[0], commits[1], "commits per unlink (closed, kept)");
 }

@@ -91,6 +91,10 @@ pub struct SetAttr {
     pub mtime: Option<TimeSet>,
     /// New inode flags.
     pub flags: Option<u32>,
+    /// Clear set-user-id (and set-group-id with group-execute) from the stored mode, as a
+    /// chown or a truncate by another user does: decided on the value the plan changes,
+    /// not on a cached one. `perm` wins when both are given.
+    pub kill_suidgid: bool,
     /// `atime` is a read's access time (relatime): it only moves forward, and on its own
     /// it leaves ctime alone, as a read does on ext4.
     pub access: bool,
@@ -99,6 +103,12 @@ pub struct SetAttr {
     /// from attributes read at that revision without the file's lock held across the
     /// commit (the mtime of in-place overwrites), which must not undo a later one.
     pub unchanged_since: Option<i64>,
+    /// The inode's attributes exactly as the submitter's caches hold them. When given
+    /// (and `unchanged_since` is not), the plan changes these instead of reading the
+    /// inode and compares their encoding, so a chmod, chown or utimes commits in one
+    /// round trip; a stale guess fails the compare and the mutation is re-planned from
+    /// what etcd holds (the guess dropped).
+    pub expect: Option<Box<InodeAttr>>,
 }
 
 /// xattr set semantics.
@@ -238,6 +248,11 @@ pub enum Mutation {
         /// (and compared), or, when planning from `expect`, compared empty (a file open
         /// elsewhere fails that compare and the retry reads them).
         keep_open: bool,
+        /// This node keeps an open record of the file only for an open that might follow
+        /// (its opens here are all closed): the record is deleted in this transaction and
+        /// does not count as an open, instead of a commit of its own first. The submitter
+        /// keeps the file's first opens here waiting until this commits.
+        drop_own_hold: bool,
         /// What the submitter's caches say the name and inodes hold. When given, the plan
         /// uses it instead of reading etcd and guards it with value compares, so an
         /// unlink commits in one round trip; a stale expectation fails its compares and
@@ -401,6 +416,7 @@ impl Mutation {
         match self {
             Mutation::Unlink { expect, .. } => expect.take().is_some(),
             Mutation::SetExtents { expect, .. } => expect.take().is_some(),
+            Mutation::SetAttr { set, .. } => set.expect.take().is_some(),
             _ => false,
         }
     }

@@ -389,6 +389,7 @@ impl<'a> P<'a> {
         keep_open: bool,
         blind: bool,
         no_extents: bool,
+        own_dropped: bool,
     ) -> R<()> {
         let k = self.keys();
         attr.ctime = self.ctx.now;
@@ -401,7 +402,7 @@ impl<'a> P<'a> {
         let regular = attr.kind == FileType::Regular;
         // A submitter that holds the file keeps it without looking: its own `Unhold`
         // reclaims it, or, if that raced ahead of this commit, the orphan scan does.
-        let open = keep_open || (regular && self.open_anywhere(attr.ino, blind)?);
+        let open = keep_open || (regular && self.open_anywhere(attr.ino, blind, own_dropped)?);
         if open || (regular && !no_extents && self.extents_exceed_one_txn(attr.ino)?) {
             // Kept as an orphan while open somewhere; also when its extents cannot all be
             // logged as released in one transaction: the orphan is then reclaimed in
@@ -427,25 +428,41 @@ impl<'a> P<'a> {
     /// read (one that exists is compared unchanged, so its holder's close cannot slip in
     /// between; none is compared still none, so no open can), or, `blind`, guessed "none"
     /// and compared so (a wrong guess fails the commit, whose retry reads them).
-    fn open_anywhere(&mut self, ino: Ino, blind: bool) -> R<bool> {
+    /// `own_dropped`: this session's own record goes in this transaction and does not count.
+    fn open_anywhere(&mut self, ino: Ino, blind: bool, own_dropped: bool) -> R<bool> {
         let k = self.keys();
+        let own = own_dropped.then(|| k.held(ino, self.ctx.session));
         let req = holders_req(k, ino);
         let r = match self.snap.range(&req) {
             Some(r) => r,
             None if blind => {
-                let h = k.holders(ino);
-                self.compare(Compare::range_empty(h.start, h.end));
+                self.compare_no_holder_but(ino, own);
                 return Ok(false);
             }
             None => return Err(Stop::Need(vec![req])),
         };
-        if let Some(kv) = r.kvs.first() {
+        // Two keys are read: besides this session's own, another holder shows.
+        if let Some(kv) = r.kvs.iter().find(|kv| Some(&kv.key) != own.as_ref()) {
             self.compare(Compare::mod_rev(kv.key.clone(), kv.mod_revision));
             return Ok(true);
         }
-        let h = k.holders(ino);
-        self.compare(Compare::range_empty(h.start, h.end));
+        self.compare_no_holder_but(ino, own);
         Ok(false)
+    }
+
+    /// Compares that `ino` has no open record, but for `own` (this session's, deleted in
+    /// the same transaction).
+    fn compare_no_holder_but(&mut self, ino: Ino, own: Option<Vec<u8>>) {
+        let h = self.keys().holders(ino);
+        match own {
+            None => self.compare(Compare::range_empty(h.start, h.end)),
+            Some(own) => {
+                let mut after = own.clone();
+                after.push(0);
+                self.compare(Compare::range_empty(h.start, own));
+                self.compare(Compare::range_empty(after, h.end));
+            }
+        }
     }
 
     /// This session's open record of `ino`, under its lease (the session id is the lease
@@ -554,8 +571,17 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
             name,
             dir,
             keep_open,
+            drop_own_hold,
             expect,
-        } => plan_unlink(&mut p, *parent, name, *dir, *keep_open, expect.as_deref()),
+        } => plan_unlink(
+            &mut p,
+            *parent,
+            name,
+            *dir,
+            *keep_open,
+            *drop_own_hold,
+            expect.as_deref(),
+        ),
         Mutation::Rename {
             src_parent,
             src_name,
@@ -863,6 +889,7 @@ fn plan_unlink(
     name: &[u8],
     dir: bool,
     keep_open: bool,
+    drop_own_hold: bool,
     expect: Option<&UnlinkExpect>,
 ) -> R<()> {
     check_name(name)?;
@@ -959,7 +986,11 @@ fn plan_unlink(
             }
             p.need(&need)?;
         }
-        p.drop_link(cattr.val, keep_open, blind, no_extents)?;
+        let own_dropped = drop_own_hold && cattr.val.kind == FileType::Regular;
+        if own_dropped {
+            p.delete(k.held(child, p.ctx.session));
+        }
+        p.drop_link(cattr.val, keep_open, blind, no_extents, own_dropped)?;
         p.plan.touch.push((parent, true));
     }
     Ok(())
@@ -1114,7 +1145,7 @@ fn plan_rename(
                     *nlink.entry(dp).or_default() -= 1;
                     p.delete_inode_tree(dattr.ino, FileType::Directory, true)?;
                 } else {
-                    p.drop_link(dattr, dst_keep_open, false, false)?;
+                    p.drop_link(dattr, dst_keep_open, false, false, false)?;
                 }
             }
             p.delete(k.dentry(sp, sn));
@@ -1166,11 +1197,23 @@ fn plan_rename(
 fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAttr) -> R<()> {
     let k = p.keys();
     let now = p.ctx.now;
-    let (mut a, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
-    if set.unchanged_since.is_some_and(|since| rev > since) {
-        return Err(Stop::Fail(MetaError::Changed));
-    }
-    p.compare(Compare::mod_rev(k.inode(ino), rev));
+    let mut a = match (set.unchanged_since, set.expect.as_deref()) {
+        (None, Some(expect)) => {
+            let known = p
+                .known_inode(ino, Some(expect))?
+                .ok_or(Stop::Fail(MetaError::NotFound))?;
+            p.compare(known.guard);
+            known.val
+        }
+        (since, _) => {
+            let (a, rev) = p.inode(ino)?.ok_or(Stop::Fail(MetaError::NotFound))?;
+            if since.is_some_and(|since| rev > since) {
+                return Err(Stop::Fail(MetaError::Changed));
+            }
+            p.compare(Compare::mod_rev(k.inode(ino), rev));
+            a
+        }
+    };
     if let Some(perm) = set.perm {
         if perm > 0o7777 {
             return Err(Stop::Fail(MetaError::Invalid(
@@ -1200,6 +1243,10 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
                 }
             }
         }
+    }
+    if set.kill_suidgid && set.perm.is_none() {
+        // The rwx bits stay, so an access ACL (which holds only those) needs no rewrite.
+        a.perm = crate::types::kill_suidgid(a.perm);
     }
     if let Some(uid) = set.uid {
         a.uid = uid;
@@ -1260,6 +1307,7 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
     }
     let access_only = set.access
         && set.perm.is_none()
+        && !set.kill_suidgid
         && set.uid.is_none()
         && set.gid.is_none()
         && set.size.is_none()

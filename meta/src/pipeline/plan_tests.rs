@@ -219,6 +219,7 @@ fn unlink(parent: Ino, name: &str) -> Mutation {
         name: name.into(),
         dir: false,
         keep_open: false,
+        drop_own_hold: false,
         expect: None,
     }
 }
@@ -395,6 +396,7 @@ async fn unlink_open_file_leaves_orphan_then_reclaim() {
         name: b"f".to_vec(),
         dir: false,
         keep_open: true,
+        drop_own_hold: false,
         expect: None,
     };
     let o = w.run(m).await.unwrap();
@@ -441,6 +443,7 @@ async fn read_only_plans_only_open_records_and_leaves_orphans_to_writers() {
         name: b"f".to_vec(),
         dir: false,
         keep_open: true,
+        drop_own_hold: false,
         expect: None,
     };
     assert_eq!(w.run(m).await.unwrap().orphaned, Some(f));
@@ -508,6 +511,7 @@ async fn rmdir_rules() {
         name: name.into(),
         dir: true,
         keep_open: false,
+        drop_own_hold: false,
         expect: None,
     };
     assert_eq!(w.run(rmdir("d")).await.unwrap_err(), MetaError::NotEmpty);
@@ -1027,6 +1031,7 @@ fn unlink_expecting(parent: Ino, name: &str, dir: bool, e: UnlinkExpect) -> Muta
         name: name.into(),
         dir,
         keep_open: false,
+        drop_own_hold: false,
         expect: Some(Box::new(e)),
     }
 }
@@ -1672,4 +1677,209 @@ async fn a_stale_extents_expectation_never_commits() {
         assert_eq!(rounds, 1, "an unusable guess is not planned from");
         w.apply(&p.unwrap()).await.unwrap();
     }
+}
+
+/// Puts `session`'s open record of `ino`, as another node's `Hold` would.
+async fn hold_as(w: &World, ino: Ino, session: SessionId) {
+    let t = Txn {
+        success: vec![TxnOp::put(
+            w.keys.held(ino, session),
+            Owner { session }.encode(),
+        )],
+        ..Default::default()
+    };
+    w.kv.txn(t).await.unwrap();
+}
+
+fn unlink_dropping_own_hold(name: &str, expect: Option<UnlinkExpect>) -> Mutation {
+    Mutation::Unlink {
+        parent: Ino::ROOT,
+        name: name.into(),
+        dir: false,
+        keep_open: false,
+        drop_own_hold: true,
+        expect: expect.map(Box::new),
+    }
+}
+
+/// A node that closed a file keeps its open record a moment for a reopen; its unlink
+/// deletes that record in the same transaction, and the record does not make the file an
+/// orphan. Another node's record still does, and one appearing after the plan fails it.
+#[tokio::test]
+async fn an_unlink_drops_its_own_idle_open_record_in_its_transaction() {
+    let mut w = World::new().await;
+    let (a, b) = (
+        w.create(Ino::ROOT, "a", FileType::Regular).await,
+        w.create(Ino::ROOT, "b", FileType::Regular).await,
+    );
+    for (f, dev) in [(a, 1 << 20), (b, 2 << 20)] {
+        w.add_extent(f, 0, 4096, dev).await;
+        w.run(Mutation::Hold { ino: f }).await.unwrap();
+    }
+    // Counted as an open, the record made the file an orphan (reclaimed a second later).
+    assert_eq!(
+        w.run(unlink(Ino::ROOT, "a")).await.unwrap().orphaned,
+        Some(a)
+    );
+    let o = w.run(unlink_dropping_own_hold("b", None)).await.unwrap();
+    assert_eq!((o.removed, o.orphaned), (Some(b), None));
+    assert_eq!(o.released.len(), 1, "its blocks logged as released at once");
+    assert!(!w.exists(w.keys.held(b, w.session)).await);
+
+    // Planned from the caches (an empty file): nothing read, the same outcome.
+    let c = w.create(Ino::ROOT, "c", FileType::Regular).await;
+    w.run(Mutation::Hold { ino: c }).await.unwrap();
+    let e = UnlinkExpect {
+        entry: Dentry {
+            ino: c,
+            kind: FileType::Regular,
+        },
+        child: w.inode(c).await,
+        parent: None,
+    };
+    let m = unlink_dropping_own_hold("c", Some(e));
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert_eq!(w.apply(&p.unwrap()).await.unwrap().removed, Some(c));
+    assert!(!w.exists(w.keys.held(c, w.session)).await);
+
+    // Open on another node: an orphan, theirs kept, ours gone.
+    let other = SessionId(w.session.0 + 1);
+    let d = w.create(Ino::ROOT, "d", FileType::Regular).await;
+    w.add_extent(d, 0, 4096, 3 << 20).await;
+    w.run(Mutation::Hold { ino: d }).await.unwrap();
+    hold_as(&w, d, other).await;
+    let o = w.run(unlink_dropping_own_hold("d", None)).await.unwrap();
+    assert_eq!(o.orphaned, Some(d));
+    assert!(!w.exists(w.keys.held(d, w.session)).await);
+    assert!(w.exists(w.keys.held(d, other)).await);
+
+    // Another node opens the file between the plan and the commit: read or guessed, the
+    // plan's compares catch it, so the file open there is never deleted. (Its record
+    // sorts before or after this session's.)
+    let below = SessionId(w.session.0 - 1);
+    for (name, blind, other) in [
+        ("e", false, other),
+        ("f", true, other),
+        ("g", false, below),
+        ("h", true, below),
+    ] {
+        let f = w.create(Ino::ROOT, name, FileType::Regular).await;
+        if !blind {
+            w.add_extent(f, 0, 4096, 4 << 20).await;
+        }
+        w.run(Mutation::Hold { ino: f }).await.unwrap();
+        // Planned from the caches (an empty file, nothing read) or from etcd.
+        let expect = if blind {
+            Some(UnlinkExpect {
+                entry: Dentry {
+                    ino: f,
+                    kind: FileType::Regular,
+                },
+                child: w.inode(f).await,
+                parent: None,
+            })
+        } else {
+            None
+        };
+        let m = unlink_dropping_own_hold(name, expect);
+        let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+        assert_eq!(rounds == 0, blind, "{name}");
+        hold_as(&w, f, other).await;
+        assert!(w.apply(&p.unwrap()).await.is_err(), "{name}");
+        assert!(w.inode(f).await.is_some(), "{name}");
+        let o = w.run(unlink_dropping_own_hold(name, None)).await.unwrap();
+        assert_eq!(o.orphaned, Some(f), "{name}: planned again");
+    }
+}
+
+/// A chmod, chown or utimes planned from the cached inode reads nothing; a stale cache
+/// never commits its old values: the compare fails and the re-plan changes what etcd holds.
+#[tokio::test]
+async fn setattr_from_the_cached_inode_reads_nothing_and_never_reverts() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let cached = w.inode(f).await.unwrap();
+    let chown = |uid: u32, expect: Option<InodeAttr>| Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            uid: Some(uid),
+            expect: expect.map(Box::new),
+            ..Default::default()
+        },
+    };
+    let (p, rounds) = w
+        .plan(&chown(7, Some(cached.clone())), &mut Snapshot::default())
+        .await;
+    assert_eq!(rounds, 0);
+    let a = w.apply(&p.unwrap()).await.unwrap().attr.unwrap();
+    assert_eq!((a.uid, a.ctime), (7, NOW));
+    assert_eq!(w.inode(f).await.unwrap(), a);
+
+    // Another node's chmod since: the cached attributes would put the old mode back.
+    let chmod = Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            perm: Some(0o600),
+            ..Default::default()
+        },
+    };
+    w.run(chmod).await.unwrap();
+    let mut m = chown(8, Some(a));
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 0);
+    assert!(w.apply(&p.unwrap()).await.is_err(), "stale cache caught");
+    assert!(m.forget_expectation());
+    let a = w.run(m).await.unwrap().attr.unwrap();
+    assert_eq!((a.uid, a.perm), (8, 0o600));
+
+    // A chown's clearing of the set-id bits is decided on the mode it changes: a cache
+    // that missed another node's chmod u+s fails the compare, the re-plan clears the bit.
+    let setid = Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            perm: Some(0o6755),
+            ..Default::default()
+        },
+    };
+    w.run(setid).await.unwrap();
+    let chown_killing = |expect: InodeAttr| Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            uid: Some(9),
+            kill_suidgid: true,
+            expect: Some(Box::new(expect)),
+            ..Default::default()
+        },
+    };
+    let mut m = chown_killing(a.clone());
+    assert!(w.run(m.clone()).await.is_err(), "stale cache caught");
+    assert!(m.forget_expectation());
+    let a = w.run(m).await.unwrap().attr.unwrap();
+    assert_eq!((a.uid, a.perm), (9, 0o755));
+    // Without group-execute the set-group-id bit stays (it marks mandatory locking).
+    let sgid_only = Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            perm: Some(0o6745),
+            ..Default::default()
+        },
+    };
+    let cur = w.run(sgid_only).await.unwrap().attr.unwrap();
+    let a = w.run(chown_killing(cur)).await.unwrap().attr.unwrap();
+    assert_eq!(a.perm, 0o2745);
+
+    // A change conditioned on a revision reads it, whatever the cache says.
+    let m = Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            mtime: Some(TimeSet::At(Timespec::new(9, 0))),
+            unchanged_since: Some(i64::MAX),
+            expect: Some(Box::new(a)),
+            ..Default::default()
+        },
+    };
+    let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
+    assert_eq!(rounds, 1);
+    w.apply(&p.unwrap()).await.unwrap();
 }
