@@ -28,6 +28,7 @@ use super::{
 };
 use crate::{
     clock::Clock,
+    codec::InodeAttr,
     error::{KvError, MetaError},
     keys::Keyspace,
     kv::{
@@ -48,6 +49,9 @@ pub(crate) enum Request {
     },
     Flush {
         dir: Option<Ino>,
+        /// The directory's attributes exactly as the submitter's caches hold them: its
+        /// timestamp write plans from them instead of reading (see `Mutation::Touch`).
+        expect: Option<Box<InodeAttr>>,
         done: Completer<()>,
     },
 }
@@ -221,6 +225,8 @@ struct Barrier {
     limit: u64,
     extra: Vec<u64>,
     dir: Option<Ino>,
+    /// What the submitter expects `dir`'s inode to hold.
+    expect: Option<Box<InodeAttr>>,
     done: Option<Completer<()>>,
 }
 
@@ -401,12 +407,13 @@ impl Committer {
                 Ok(Request::Mutate { m, session, done }) => {
                     self.add_work(m, Some(session), Some(done));
                 }
-                Ok(Request::Flush { dir, done }) => {
+                Ok(Request::Flush { dir, expect, done }) => {
                     let limit = self.next_id;
                     let mut b = Barrier {
                         limit,
                         extra: Vec::new(),
                         dir,
+                        expect,
                         done: Some(done),
                     };
                     // Timestamps already pending are written now, not at their interval.
@@ -417,7 +424,7 @@ impl Committer {
                         .filter(|i| dir.is_none_or(|d| d == *i))
                         .collect();
                     for ino in due {
-                        if let Some(id) = self.emit_touch(ino) {
+                        if let Some(id) = self.emit_touch(ino, b.expect.clone()) {
                             b.extra.push(id);
                         }
                     }
@@ -430,7 +437,7 @@ impl Committer {
                         // Unmount: write every pending timestamp before exiting.
                         let all: Vec<Ino> = self.touches.keys().copied().collect();
                         for ino in all {
-                            self.emit_touch(ino);
+                            self.emit_touch(ino, None);
                         }
                     }
                     break;
@@ -442,7 +449,9 @@ impl Committer {
             .store(self.works.len() as u64, Ordering::Relaxed);
     }
 
-    fn emit_touch(&mut self, ino: Ino) -> Option<u64> {
+    /// Writes the coalesced timestamps of `ino`, planned from `expect` (its inode as a
+    /// submitter's caches hold it) when that is about `ino`.
+    fn emit_touch(&mut self, ino: Ino, expect: Option<Box<InodeAttr>>) -> Option<u64> {
         let e = self.touches.remove(&ino)?;
         self.stats.touches_written.fetch_add(1, Ordering::Relaxed);
         // Coalesced timestamps answer nobody: they go under whichever session is current.
@@ -450,6 +459,7 @@ impl Committer {
             ino,
             mtime: e.mtime,
             ctime: e.ctime,
+            expect: expect.filter(|a| a.ino == ino),
         }))
     }
 
@@ -474,7 +484,7 @@ impl Committer {
         self.touches.insert(ino, entry);
         if self.touches.len() > self.cfg.dir_touch_pending_max {
             // Bounded: past the limit, write this one now instead of coalescing.
-            self.emit_touch(ino);
+            self.emit_touch(ino, None);
         }
         now
     }
@@ -488,7 +498,7 @@ impl Committer {
             .map(|(&i, _)| i)
             .collect();
         for ino in due {
-            self.emit_touch(ino);
+            self.emit_touch(ino, None);
         }
     }
 
@@ -496,7 +506,7 @@ impl Committer {
         let mut i = 0;
         while i < self.barriers.len() {
             let Some(b) = self.barriers.get(i) else { break };
-            let (limit, dir) = (b.limit, b.dir);
+            let (limit, dir, expect) = (b.limit, b.dir, b.expect.clone());
             let earlier_pending = self.works.range(..limit).next().is_some();
             if earlier_pending {
                 i += 1;
@@ -511,7 +521,7 @@ impl Committer {
                 .collect();
             let mut new_ids = Vec::new();
             for ino in owed {
-                if let Some(id) = self.emit_touch(ino) {
+                if let Some(id) = self.emit_touch(ino, expect.clone()) {
                     new_ids.push(id);
                 }
             }

@@ -723,8 +723,20 @@ impl MetaClient {
     /// and the coalesced timestamps they caused (of `dir`, or all) are written.
     /// For fsync on a directory, syncfs and unmount.
     pub fn flush(&self, dir: Option<Ino>) -> Result<Ticket<()>, MetaError> {
+        self.flush_expecting(dir, None)
+    }
+
+    /// [`MetaClient::flush`] of one directory, whose coalesced timestamps are written
+    /// from `expect` (its inode exactly as the caller's caches hold it, compared by value)
+    /// instead of being read first: an fsync of a directory in one round trip.
+    pub fn flush_expecting(
+        &self,
+        dir: Option<Ino>,
+        expect: Option<InodeAttr>,
+    ) -> Result<Ticket<()>, MetaError> {
         let (t, done) = ticket();
-        self.send(Request::Flush { dir, done }, true)?;
+        let expect = expect.map(Box::new);
+        self.send(Request::Flush { dir, expect, done }, true)?;
         Ok(t)
     }
 

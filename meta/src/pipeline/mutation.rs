@@ -389,6 +389,9 @@ pub enum Mutation {
         mtime: Option<Timespec>,
         /// New ctime.
         ctime: Timespec,
+        /// The inode as the submitter's caches hold it: planned from it, compared by
+        /// value, instead of read (a stale guess is re-planned from etcd).
+        expect: Option<Box<InodeAttr>>,
     },
     /// Reserve `count` inode numbers (the pipeline does this itself, 1024 at a time).
     ReserveInos {
@@ -417,6 +420,7 @@ impl Mutation {
             Mutation::Unlink { expect, .. } => expect.take().is_some(),
             Mutation::SetExtents { expect, .. } => expect.take().is_some(),
             Mutation::SetAttr { set, .. } => set.expect.take().is_some(),
+            Mutation::Touch { expect, .. } => expect.take().is_some(),
             _ => false,
         }
     }

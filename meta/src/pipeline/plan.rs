@@ -652,7 +652,12 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
         Mutation::ReclaimOrphan { ino } => plan_reclaim(&mut p, *ino),
         Mutation::Hold { ino } => plan_hold(&mut p, *ino),
         Mutation::Unhold { ino } => plan_unhold(&mut p, *ino),
-        Mutation::Touch { ino, mtime, ctime } => plan_touch(&mut p, *ino, *mtime, *ctime),
+        Mutation::Touch {
+            ino,
+            mtime,
+            ctime,
+            expect,
+        } => plan_touch(&mut p, *ino, *mtime, *ctime, expect.as_deref()),
         Mutation::ReserveInos { count } => plan_reserve(&mut p, *count),
     };
     match r {
@@ -1861,21 +1866,33 @@ fn plan_unhold(p: &mut P<'_>, ino: Ino) -> R<()> {
     reclaim_orphan(p, ino, okv)
 }
 
-fn plan_touch(p: &mut P<'_>, ino: Ino, mtime: Option<Timespec>, ctime: Timespec) -> R<()> {
+fn plan_touch(
+    p: &mut P<'_>,
+    ino: Ino,
+    mtime: Option<Timespec>,
+    ctime: Timespec,
+    expect: Option<&InodeAttr>,
+) -> R<()> {
     let k = p.keys();
-    let Some((mut a, rev)) = p.inode(ino)? else {
+    let Some(known) = p.known_inode(ino, expect)? else {
         // The inode went away meanwhile: nothing to stamp.
         return Ok(());
     };
+    let mut a = known.val;
     let old = (a.mtime, a.ctime);
     if let Some(m) = mtime {
         a.mtime = a.mtime.max(m);
     }
     a.ctime = a.ctime.max(ctime);
     if (a.mtime, a.ctime) == old {
+        if known.expected {
+            // Nothing to write only by the guess: etcd decides (the re-plan finds the
+            // read in its snapshot, which wins over the guess).
+            return Err(Stop::Need(vec![RangeRequest::key(k.inode(ino))]));
+        }
         return Ok(());
     }
-    p.compare(Compare::mod_rev(k.inode(ino), rev));
+    p.compare(known.guard);
     p.put(k.inode(ino), &a);
     p.plan.outcome.ino = Some(ino);
     p.plan.outcome.attr = Some(a);

@@ -465,6 +465,7 @@ async fn read_only_plans_only_open_records_and_leaves_orphans_to_writers() {
             ino: g,
             mtime: None,
             ctime: NOW,
+            expect: None,
         },
         Mutation::ReserveInos { count: 8 },
         Mutation::ReclaimOrphan { ino: f },
@@ -970,6 +971,7 @@ async fn touch_never_goes_backwards() {
         ino: d,
         mtime: Some(Timespec::new(1, 0)),
         ctime: Timespec::new(1, 0),
+        expect: None,
     };
     let o = w.run(early).await.unwrap();
     assert_eq!(o.revision.0, 0);
@@ -980,6 +982,7 @@ async fn touch_never_goes_backwards() {
             ino: d,
             mtime: Some(late),
             ctime: late,
+            expect: None,
         })
         .await
         .unwrap();
@@ -988,6 +991,7 @@ async fn touch_never_goes_backwards() {
         ino: Ino(424_242),
         mtime: None,
         ctime: late,
+        expect: None,
     };
     assert!(w.run(gone).await.is_ok());
 }
@@ -1882,4 +1886,52 @@ async fn setattr_from_the_cached_inode_reads_nothing_and_never_reverts() {
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
     assert_eq!(rounds, 1);
     w.apply(&p.unwrap()).await.unwrap();
+}
+
+/// A directory's fsync writes its coalesced timestamps from the cached inode: nothing read.
+/// A stale cache never moves a time backwards, and a cache that says "nothing to write"
+/// is checked against etcd before nothing is written.
+#[tokio::test]
+async fn touch_from_the_cached_inode_reads_nothing_and_never_goes_backwards() {
+    let mut w = World::new().await;
+    let d = w.create(Ino::ROOT, "d", FileType::Directory).await;
+    let cached = w.inode(d).await.unwrap();
+    let at = |sec: i64| Timespec::new(NOW.sec + sec, 0);
+    let touch = |t: Timespec, expect: &InodeAttr| Mutation::Touch {
+        ino: d,
+        mtime: Some(t),
+        ctime: t,
+        expect: Some(Box::new(expect.clone())),
+    };
+    let (p, rounds) = w
+        .plan(&touch(at(10), &cached), &mut Snapshot::default())
+        .await;
+    assert_eq!(rounds, 0);
+    let a = w.apply(&p.unwrap()).await.unwrap().attr.unwrap();
+    assert_eq!((a.mtime, a.ctime), (at(10), at(10)));
+    // Another node wrote a later time since: the stale cache fails the compare, the
+    // re-plan keeps the later time.
+    let later = Mutation::Touch {
+        ino: d,
+        mtime: Some(at(30)),
+        ctime: at(30),
+        expect: None,
+    };
+    w.run(later).await.unwrap();
+    let mut m = touch(at(20), &a);
+    assert!(w.run(m.clone()).await.is_err(), "stale cache caught");
+    assert!(m.forget_expectation());
+    let o = w.run(m).await.unwrap();
+    assert!(o.attr.is_none(), "nothing written");
+    assert_eq!(w.inode(d).await.unwrap().mtime, at(30));
+    // A cache showing a time later than etcd's: "nothing to write" is read, not guessed.
+    let mut ahead = w.inode(d).await.unwrap();
+    ahead.mtime = at(50);
+    ahead.ctime = at(50);
+    let (p, rounds) = w
+        .plan(&touch(at(40), &ahead), &mut Snapshot::default())
+        .await;
+    assert_eq!(rounds, 1);
+    w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(w.inode(d).await.unwrap().mtime, at(40));
 }
