@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Short-lived files and attribute changes (benches/file_cycles.py: create + write 4 KiB +
-# fsync + close + unlink, the unlink alone, chmod, utime, chown to the same owner), on two
+# fsync + close + unlink, the unlink alone, fsync of the directory after a create, chmod,
+# utime, chown to the same owner), on two
 # etcfs binaries side by side and on the local disk beside the device image as the
 # reference. Each round mounts each binary in turn (order alternating) on a fresh prefix of
 # one private etcd and a fresh device image. Prints per job the median over the rounds of
@@ -84,7 +85,7 @@ print(f"Short-lived files and attribute changes, {ops} per job, {rounds} rounds;
 print()
 print(f"| job | local p50 | {a} p50 | {b} p50 | {a} p90 | {b} p90 | p50 {b} / {a} |")
 print("|---|---|---|---|---|---|---|")
-for job in ["tmpfile", "unlink", "chmod", "utime", "chown-same"]:
+for job in ["tmpfile", "unlink", "fsyncdir", "chmod", "utime", "chown-same"]:
     pa, pb = med((a, job, "p50")), med((b, job, "p50"))
     print(f"| {job} | {med(('local', job, 'p50')):.1f} | {pa:.0f} | {pb:.0f} | "
           f"{med((a, job, 'p90')):.0f} | {med((b, job, 'p90')):.0f} | {pb / pa:.2f}x |")
