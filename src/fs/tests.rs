@@ -3535,6 +3535,7 @@ fn setattr_of_a_cached_inode_reads_nothing() {
     let (ino, fh) = a.create(ROOT, b"f");
     a.release(ino, fh);
     a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let _ = a.getattr(ino);
     let r0 = reads(&a);
     for (i, mode) in [0o600u32, 0o640, 0o604].into_iter().enumerate() {
         a.ok(
@@ -3623,4 +3624,43 @@ fn fsync_of_a_directory_reads_nothing() {
         (shown.mtime, shown.mtimensec),
         (stored.mtime.sec as u64, stored.mtime.nsec)
     );
+}
+
+/// A setattr planned from a stale cache (another node's chmod not seen here yet) never
+/// writes the old values back: its compare fails and the re-plan changes what etcd holds.
+#[test]
+fn setattr_from_a_stale_cache_keeps_another_nodes_change() {
+    let mut a = Fx::new();
+    let (f, fh) = a.create(ROOT, b"f");
+    a.release(f, fh);
+    let mut b = second_mount(&a);
+    let inner = a.fs.inner().clone();
+    let _ = a.getattr(f);
+    let before = inner.caches.attr(f).expect("cached by a getattr");
+    b.ok(
+        f,
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_MODE,
+            mode: 0o600,
+            ..SetattrIn::default()
+        }),
+    );
+    eventually("the chmod seen", || a.getattr(f).attr.mode & 0o777 == 0o600);
+    // As if the watch were behind: the attributes from before the chmod, kept over it.
+    inner.caches.own_attr(&before, i64::MAX / 2);
+    let failed = counter(&a, "etcd_compare_failures");
+    a.ok(
+        f,
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_MTIME,
+            mtime: 4242,
+            ..SetattrIn::default()
+        }),
+    );
+    assert!(
+        counter(&a, "etcd_compare_failures") > failed,
+        "planned from the cache"
+    );
+    let stored = inner.get_attr(f).unwrap();
+    assert_eq!((stored.perm, stored.mtime.sec), (0o600, 4242));
 }
