@@ -415,6 +415,27 @@ impl FileInner {
         true
     }
 
+    /// [`FileInner::set_attr`] with the attributes an own SetAttr replaced (`before`): the
+    /// record of the last extents commit, kept with exactly those, stays current (a chown
+    /// right after a create, as SQLite does to each journal as root, made the journal's
+    /// first fsync read the inode and its extents).
+    pub(crate) fn set_attr_replacing(
+        &mut self,
+        attr: &InodeAttr,
+        rev: i64,
+        before: Option<&InodeAttr>,
+    ) -> bool {
+        if rev < self.attr_rev {
+            return false;
+        }
+        if let (Some(c), Some(b)) = (self.committed.as_mut(), before) {
+            if c.attr == *b {
+                c.attr = attr.clone();
+            }
+        }
+        self.set_attr(attr, rev)
+    }
+
     /// Records an in-place overwrite's mtime from the kernel's coarse clock, the one ext4's
     /// own timestamps come from: overwrites within one clock tick (4 ms here) of each other
     /// or of the mtime the attributes show change nothing, so a loop of overwrite + fsync
@@ -713,10 +734,17 @@ impl Files {
             _ => None,
         }
     }
-    /// Attributes committed at `rev` (ignored when the held ones are newer).
-    pub(crate) fn update_attr(&self, ino: u64, attr: &InodeAttr, rev: i64) {
+    /// Attributes committed at `rev` (ignored when the held ones are newer), replacing
+    /// `before` when the commit says what it replaced.
+    pub(crate) fn update_attr(
+        &self,
+        ino: u64,
+        attr: &InodeAttr,
+        rev: i64,
+        before: Option<&InodeAttr>,
+    ) {
         if let Some(st) = self.get(ino) {
-            st.lock().set_attr(attr, rev);
+            st.lock().set_attr_replacing(attr, rev, before);
         }
     }
 

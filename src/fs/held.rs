@@ -91,6 +91,8 @@ const IDLE_HOLD: Duration = Duration::from_secs(1);
 const IDLE_HOLD: Duration = Duration::ZERO;
 /// Closed files whose records a node keeps at most (beyond it, the oldest go at once).
 const IDLE_HOLDS_MAX: usize = 4096;
+/// Inodes this node orphaned while their last close here was under way, remembered at most.
+const ORPHANED_CLOSING_MAX: usize = 1024;
 
 #[derive(Default)]
 struct Stripe {
@@ -111,6 +113,9 @@ pub(crate) struct Held {
     idle: AtomicUsize,
     /// [`IDLE_HOLD`], in ns (unit tests of the kept record set it).
     idle_hold_ns: AtomicU64,
+    /// Inodes an unlink here left orphaned when their state was already closed: a last
+    /// close still under way treats them as orphans (bounded by `ORPHANED_CLOSING_MAX`).
+    orphaned_closing: Mutex<VecDeque<u64>>,
     /// Ranges folded from released records of groups this node owns: the record's
     /// revision (that of the commit that wrote it), and when.
     folded: Mutex<VecDeque<(Extent, i64, Instant)>>,
@@ -132,6 +137,7 @@ impl Default for Held {
             unholds: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             idle: AtomicUsize::new(0),
             idle_hold_ns: AtomicU64::new(IDLE_HOLD.as_nanos() as u64),
+            orphaned_closing: Mutex::default(),
             folded: Mutex::default(),
             seen: Mutex::default(),
             orphan_cursor: Mutex::default(),
@@ -266,6 +272,7 @@ impl Inner {
             return;
         }
         s.count.remove(&ino);
+        let orphan = orphan || self.take_orphaned_closing(ino);
         if !orphan
             && !self.held.idle_hold().is_zero()
             && self.held.idle.load(Ordering::Acquire) < IDLE_HOLDS_MAX
@@ -301,6 +308,37 @@ impl Inner {
                     self.unhold_locked(ino, s);
                 }
             }
+        }
+    }
+
+    /// An unlink here orphaned `ino`, whose file state was closed already: a RELEASE
+    /// between its close of the state and its record's fate (kept a second for a reopen)
+    /// must delete the record at once, and a record already kept goes now, or the orphan
+    /// (and its space) waited a second (found by CI: tests/integrity.rs's rm then another
+    /// node's write got ENOSPC once). Skips a stripe busy with another first open or last
+    /// close, or with the unlink itself (which took the record with it).
+    pub(super) fn orphaned_while_closed(&self, ino: u64) {
+        {
+            let mut q = lock(&self.held.orphaned_closing);
+            if q.len() >= ORPHANED_CLOSING_MAX {
+                q.pop_front();
+            }
+            q.push_back(ino);
+        }
+        let Ok(mut s) = self.held.stripes[Held::stripe_of(ino)].try_lock() else {
+            return;
+        };
+        if s.idle.remove(&ino).is_some() {
+            self.held.idle.fetch_sub(1, Ordering::AcqRel);
+            self.unhold_locked(ino, s);
+        }
+    }
+
+    fn take_orphaned_closing(&self, ino: u64) -> bool {
+        let mut q = lock(&self.held.orphaned_closing);
+        match q.iter().position(|&i| i == ino) {
+            Some(at) => q.remove(at).is_some(),
+            None => false,
         }
     }
 

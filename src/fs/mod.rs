@@ -1125,12 +1125,14 @@ impl Inner {
     /// Bookkeeping every committed mutation needs: cached attributes, orphans, frees.
     fn after_commit(&self, out: &Outcome) {
         if let (Some(ino), Some(attr)) = (out.ino, &out.attr) {
-            self.files.update_attr(ino.0, attr, out.revision.0);
+            self.files
+                .update_attr(ino.0, attr, out.revision.0, out.attr_before.as_ref());
             self.caches.own_attr(attr, out.revision.0);
         }
         if let Some(ino) = out.orphaned {
             // Orphaned because *some* file was open here; if this one is not, reclaim now.
             if !self.files.mark_orphaned(ino.0) {
+                self.orphaned_while_closed(ino.0);
                 self.reclaim_orphan(ino);
             }
         }
@@ -1181,8 +1183,9 @@ impl Inner {
         extents: bool,
     ) -> Result<Outcome, Errno> {
         // Whatever this mutation was, the record of the last extents commit is only
-        // current if this one was such a commit.
-        f.committed = None;
+        // current if this one was such a commit, or changed only what the record's
+        // attributes say (see `Outcome::attr_before`).
+        let prior = f.committed.take();
         let out = match r {
             Ok(o) => o,
             Err(e) => {
@@ -1195,13 +1198,18 @@ impl Inner {
         if let Some(a) = &out.attr {
             f.set_attr(a, out.revision.0);
             self.caches.own_attr(a, out.revision.0);
-            f.committed = out
-                .extents_known
-                .clone()
-                .map(|known| files::CommittedRecord {
+            f.committed = match out.extents_known.clone() {
+                Some(known) => Some(files::CommittedRecord {
                     attr: a.clone(),
                     known,
-                });
+                }),
+                None => prior
+                    .filter(|c| out.attr_before.as_ref() == Some(&c.attr))
+                    .map(|c| files::CommittedRecord {
+                        attr: a.clone(),
+                        known: c.known,
+                    }),
+            };
         }
         // Writes, truncates, fallocate and punch change the extents: st_blocks with them.
         if extents {

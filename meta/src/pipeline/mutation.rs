@@ -498,4 +498,8 @@ pub struct Outcome {
     pub touched: Vec<(Ino, bool, Timespec)>,
     /// SetExtents: the extent keys around the range as the commit left them.
     pub extents_known: Option<ExtentsKnown>,
+    /// SetAttr that left the extents alone (no size): the inode's attributes it replaced,
+    /// exactly as they were stored. A record of the file's extents kept with those
+    /// attributes (`ExtentsKnown`) stays exact with the new ones.
+    pub attr_before: Option<InodeAttr>,
 }

@@ -1202,7 +1202,7 @@ fn plan_rename(
 fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAttr) -> R<()> {
     let k = p.keys();
     let now = p.ctx.now;
-    let mut a = match (set.unchanged_since, set.expect.as_deref()) {
+    let a = match (set.unchanged_since, set.expect.as_deref()) {
         (None, Some(expect)) => {
             let known = p
                 .known_inode(ino, Some(expect))?
@@ -1219,6 +1219,10 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
             a
         }
     };
+    if set.size.is_none() {
+        p.plan.outcome.attr_before = Some(a.clone());
+    }
+    let mut a = a;
     if let Some(perm) = set.perm {
         if perm > 0o7777 {
             return Err(Stop::Fail(MetaError::Invalid(
