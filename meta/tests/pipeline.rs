@@ -427,6 +427,7 @@ fn unlink_expectations(client: &MetaClient) {
         entry,
         child,
         parent,
+        extents: None,
     };
     let (dd, _) = made(Ino::ROOT, "xd", FileType::Directory);
     let d = dd.ino;

@@ -59,6 +59,8 @@ fn to_mutation(op: &Op, seen: Option<&Seen>) -> Mutation {
                     },
                     child: Some(a.clone()),
                     parent: None,
+                    // The ops write no data: a file's map is known empty.
+                    extents: Some(Vec::new()),
                 })
             });
             Mutation::Unlink {

@@ -456,6 +456,18 @@ impl FileInner {
         c.known.expectation(&c.attr, off, end).map(Box::new)
     }
 
+    /// Every extent key of the file as this node's last commit of it left them, when the
+    /// record of that commit starts at the file's first key and is short enough for one
+    /// transaction to release; keys past the record's end are guessed none. Only a guess
+    /// (see [`meta::pipeline::UnlinkExpect::extents`]).
+    pub(crate) fn full_map_record(&self) -> Option<Vec<meta::codec::Extent>> {
+        let c = self.committed.as_ref()?;
+        (c.known.start == 0
+            && c.known.extents.len() <= meta::pipeline::EXTENTS_PER_MUTATION_MAX
+            && self.pending.is_none())
+        .then(|| c.known.extents.clone())
+    }
+
     /// Drops the cached map unless pending writes live in it (see [`Files::forget_extents`]).
     pub(crate) fn forget_extents(&mut self) {
         self.windows.clear();

@@ -93,11 +93,17 @@ impl Inner {
                 entry,
                 child: self.caches.attr(entry.ino.0),
                 parent: if dir { self.caches.attr(parent) } else { None },
+                extents: None,
             })),
             Lookup::Absent | Lookup::Unknown { .. } => None,
         };
         let child = expect.as_ref().filter(|_| !dir).map(|e| e.entry.ino.0);
-        let unlink = |keep_open: bool, drop_own_hold: bool| {
+        let unlink = |keep_open: bool, drop_own_hold: bool, map: Option<Vec<_>>| {
+            let mut expect = expect;
+            if let Some(e) = expect.as_mut().filter(|e| e.child.is_some()) {
+                // The map kept from the file's last close here: released as known.
+                e.extents = map;
+            }
             self.commit(Mutation::Unlink {
                 parent: Ino(parent),
                 name: name.to_vec(),
@@ -113,7 +119,7 @@ impl Inner {
         };
         match child {
             Some(ino) => self.unlink_with_own_record(ino, unlink)?,
-            None => unlink(false, false)?,
+            None => unlink(false, false, None)?,
         };
         Ok(Done::Empty)
     }

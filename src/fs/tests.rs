@@ -3600,6 +3600,92 @@ fn an_unlink_after_close_takes_the_kept_open_record_with_it() {
     assert_eq!(commits[0], commits[1], "commits per unlink (closed, kept)");
 }
 
+/// A file closed here keeps, with its open record, the extent keys its last commit left;
+/// its unlink releases those without reading them or the open records (a rollback
+/// journal's create, appends, fdatasync, close, unlink: the unlink read both).
+#[test]
+fn an_unlink_after_close_releases_the_map_the_last_commit_left() {
+    let mut a = Fx::new();
+    caches_live(&a);
+    let inner = a.fs.inner().clone();
+    inner.held.set_idle_hold(Duration::from_secs(60));
+    let free0 = a.statfs().bfree;
+    let reads = |fx: &Fx| counter(fx, "etcd_read_txns");
+    // Background work may read etcd now and then: of three rounds, one must read nothing.
+    let mut clean = false;
+    for k in 0..3 {
+        let name = format!("journal{k}");
+        let (ino, fh) = a.create(ROOT, name.as_bytes());
+        a.write(ino, fh, 0, &pattern(4, 30_000));
+        a.fsync(ino, fh);
+        a.write(ino, fh, 30_000, &pattern(5, 9_000));
+        a.fsync(ino, fh);
+        a.release(ino, fh);
+        inner.meta.flush(None).unwrap().wait().unwrap();
+        let r0 = reads(&a);
+        let failed = counter(&a, "etcd_compare_failures");
+        a.ok(
+            ROOT,
+            Operation::Unlink {
+                name: name.as_bytes(),
+            },
+        );
+        clean |= reads(&a) == r0;
+        assert_eq!(counter(&a, "etcd_compare_failures"), failed, "{name}");
+        inner
+            .meta
+            .flush(Some(meta::types::Ino(ino)))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(fx_extents(&a, ino).is_empty(), "{name}: extents left");
+        assert_eq!(a.statfs().bfree, free0, "{name}: space back at once");
+    }
+    assert!(clean, "each unlink read etcd");
+}
+
+/// The extent keys of `ino` in etcd.
+fn fx_extents(fx: &Fx, ino: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let r = meta::keys::Keyspace::new("t")
+        .unwrap()
+        .extents(meta::types::Ino(ino));
+    fx.kv.dump(&r.start, &r.end)
+}
+
+/// An unlink planned from the map this node's last commit left, when another node has
+/// appended to the file since: the compares fail, and the re-plan releases what etcd
+/// holds, the other node's extent too (planned from the stale map, it would leak).
+#[test]
+fn an_unlink_from_a_stale_map_releases_what_etcd_holds() {
+    let mut a = Fx::new();
+    caches_live(&a);
+    let inner = a.fs.inner().clone();
+    inner.held.set_idle_hold(Duration::from_secs(60));
+    let (ino, fh) = a.create(ROOT, b"shared");
+    a.write(ino, fh, 0, &pattern(6, 8192));
+    a.fsync(ino, fh);
+    a.release(ino, fh);
+    let mut b = second_mount(&a);
+    let bfh = b.open(ino);
+    b.write(ino, bfh, 1 << 20, &pattern(7, 4096));
+    b.fsync(ino, bfh);
+    b.release(ino, bfh);
+    assert_eq!(fx_extents(&a, ino).len(), 2, "both nodes' extents");
+    // The append seen here, so that the unlink expects the current attributes: only
+    // the kept map is stale.
+    eventually("the append seen", || {
+        a.getattr(ino).attr.size == (1 << 20) + 4096
+    });
+    let failed = counter(&a, "etcd_compare_failures");
+    a.ok(ROOT, Operation::Unlink { name: b"shared" });
+    assert!(
+        counter(&a, "etcd_compare_failures") > failed,
+        "planned from the kept map"
+    );
+    inner.meta.flush(None).unwrap().wait().unwrap();
+    assert!(fx_extents(&a, ino).is_empty(), "extents left behind");
+}
+
 /// An fsync of a directory writes its coalesced timestamps planned from the cached inode:
 /// nothing is read (a journaling database fsyncs its directory after each journal create).
 #[test]

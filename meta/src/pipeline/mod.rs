@@ -30,7 +30,7 @@ pub use self::{
         Outcome, RenameMode, SetAttr, TimeSet, UnlinkExpect, XattrMode, LOG_RELEASED_MAX,
     },
     own::{Origin, OwnCommits},
-    plan::{plan, Plan, PlanCtx, Planned, Snapshot},
+    plan::{plan, Plan, PlanCtx, Planned, Snapshot, EXTENTS_PER_MUTATION_MAX},
     ticket::Ticket,
 };
 use crate::{

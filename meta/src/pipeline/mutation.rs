@@ -144,6 +144,11 @@ pub struct UnlinkExpect {
     pub child: Option<InodeAttr>,
     /// rmdir: the parent's attributes exactly as stored (its link count changes).
     pub parent: Option<InodeAttr>,
+    /// unlink of a regular file (with `child`): every extent key of it, sorted, as the
+    /// submitter's record of its last commit has them. The plan then releases these
+    /// instead of reading the extents, and guesses that no node has the file open;
+    /// both are compared.
+    pub extents: Option<Vec<crate::codec::Extent>>,
 }
 
 /// What a SetExtents expects etcd to hold (see [`Mutation::SetExtents::expect`]): the

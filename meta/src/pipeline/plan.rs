@@ -166,6 +166,10 @@ struct P<'a> {
     snap: &'a Snapshot,
     ctx: &'a PlanCtx<'a>,
     plan: Plan,
+    /// An inode whose every extent key the submitter expects to be exactly these (an
+    /// unlink planned from a file's record, [`UnlinkExpect::extents`]): its extents are
+    /// released from them, guarded by compares, instead of read.
+    full_map: Option<(Ino, &'a [Extent])>,
 }
 
 impl<'a> P<'a> {
@@ -307,6 +311,10 @@ impl<'a> P<'a> {
     /// beyond that the range is deleted blind and its ranges only reported freed.
     fn drop_extents(&mut self, ino: Ino, from: u64) -> R<()> {
         let k = self.keys();
+        if let Some(list) = self.expected_full_map(ino).filter(|_| from == 0) {
+            self.release_expected_extents(ino, list);
+            return Ok(());
+        }
         if self.range(extents_req(k, ino, from))?.more {
             self.delete_range(k.extents_between(ino, from, u64::MAX), true);
             return Ok(());
@@ -316,6 +324,10 @@ impl<'a> P<'a> {
 
     /// Whether `ino` has more extents than one transaction releases.
     fn extents_exceed_one_txn(&mut self, ino: Ino) -> R<bool> {
+        if self.expected_full_map(ino).is_some() {
+            // Accepted only within one transaction's worth (`usable_full_map`).
+            return Ok(false);
+        }
         Ok(self.range(extents_req(self.keys(), ino, 0))?.more)
     }
 
@@ -355,6 +367,36 @@ impl<'a> P<'a> {
         });
         self.delete_range(range, false);
         Ok(())
+    }
+
+    fn expected_full_map(&self, ino: Ino) -> Option<&'a [Extent]> {
+        self.full_map
+            .filter(|(i, _)| *i == ino)
+            .map(|(_, list)| list)
+    }
+
+    /// Releases the extents of `ino` as the submitter expects them, and deletes every
+    /// extent key of it. Each expected key is compared by its exact value and every gap
+    /// between and after them is compared empty, so the commit happens only if etcd holds
+    /// precisely these keys: what is released is what was there.
+    fn release_expected_extents(&mut self, ino: Ino, list: &[Extent]) {
+        let k = self.keys();
+        let all = k.extents(ino);
+        let mut gap_start = all.start.clone();
+        for e in list {
+            let key = k.extent(ino, e.file_off);
+            if gap_start < key {
+                self.compare(Compare::range_empty(gap_start, key.clone()));
+            }
+            self.compare(Compare::value(key, e.encode_value()));
+            self.release(DevRange {
+                dev_off: e.dev_off,
+                len: e.len,
+            });
+            gap_start = k.extent(ino, e.file_off.saturating_add(1));
+        }
+        self.compare(Compare::range_empty(gap_start, all.end.clone()));
+        self.delete_range(all, false);
     }
 
     /// Logs a freed device range as `R` records (one per allocation group) in this
@@ -556,6 +598,7 @@ pub fn plan(m: &Mutation, snap: &Snapshot, ctx: &PlanCtx<'_>) -> Planned {
         snap,
         ctx,
         plan: Plan::default(),
+        full_map: None,
     };
     let r = match m {
         Mutation::Create {
@@ -888,14 +931,14 @@ impl<'a> P<'a> {
 /// unlink/rmdir. With a full expectation from the submitter's caches this reads nothing
 /// (one round trip: the commit); without one, it reads the entry, then the child (and
 /// for rmdir the parent and one entry of the child) in a second round.
-fn plan_unlink(
-    p: &mut P<'_>,
+fn plan_unlink<'a>(
+    p: &mut P<'a>,
     parent: Ino,
     name: &[u8],
     dir: bool,
     keep_open: bool,
     drop_own_hold: bool,
-    expect: Option<&UnlinkExpect>,
+    expect: Option<&'a UnlinkExpect>,
 ) -> R<()> {
     check_name(name)?;
     let k = p.keys();
@@ -908,6 +951,17 @@ fn plan_unlink(
         expect.and_then(|e| e.child.as_ref()),
         expect.and_then(|e| e.parent.as_ref()),
     );
+    // Planned from the submitter's record of the file's extents: neither they nor the
+    // open records are read (both are compared as guessed).
+    let full_map = expect
+        .filter(|_| !dir && child_exp.is_some())
+        .and_then(|e| e.extents.as_deref())
+        .filter(|list| {
+            usable_full_map(list) && p.snap.range(&extents_req(p.keys(), child, 0)).is_none()
+        });
+    if let Some(list) = full_map {
+        p.full_map = Some((child, list));
+    }
     let entries = k.dentries(child);
     let probe = RangeRequest::range(entries.start.clone(), entries.end.clone()).limit(1);
     // Emptiness is proven by the range compare alone when the caller expected the
@@ -984,7 +1038,7 @@ fn plan_unlink(
         // file are guessed none and compared so, rather than read. A file with extents
         // reads them anyway, and its open records in the same round.
         let blind = expect.is_some();
-        if cattr.val.nlink <= 1 && !keep_open && !no_extents {
+        if cattr.val.nlink <= 1 && !keep_open && !no_extents && full_map.is_none() {
             let mut need = vec![extents_req(k, child, 0)];
             if cattr.val.kind == FileType::Regular {
                 need.push(holders_req(k, child));
@@ -1527,6 +1581,15 @@ struct ExtentsChange<'m> {
     new: &'m [Extent],
     size_at_least: Option<u64>,
     touch_mtime: bool,
+}
+
+/// Whether `list` may stand for every extent key of a file an unlink releases without
+/// reading: valid, sorted, and few enough for one transaction (a longer map is read, and
+/// may be taken apart in chunks).
+fn usable_full_map(list: &[Extent]) -> bool {
+    list.len() <= EXTENTS_PER_MUTATION_MAX
+        && list.iter().all(|e| e.check().is_ok())
+        && list.windows(2).all(|w| w[0].file_end() <= w[1].file_off)
 }
 
 /// Most extent keys an expectation may name: an append's commit names one or two.

@@ -1057,6 +1057,7 @@ async fn unlink_without_expectation_reads_twice_with_one_reads_less() {
         },
         child: w.inode(f).await,
         parent: None,
+        extents: None,
     };
     let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
@@ -1075,6 +1076,7 @@ async fn unlink_without_expectation_reads_twice_with_one_reads_less() {
         },
         child: w.inode(h).await,
         parent: None,
+        extents: None,
     };
     let (p, rounds) = w
         .plan(
@@ -1092,6 +1094,7 @@ async fn unlink_without_expectation_reads_twice_with_one_reads_less() {
         },
         child: None,
         parent: None,
+        extents: None,
     };
     let (p, rounds) = w
         .plan(
@@ -1123,6 +1126,7 @@ async fn stale_unlink_expectations_fail_compares_never_the_mutation() {
         },
         child: Some(old.clone()),
         parent: None,
+        extents: None,
     };
     let m = unlink_expecting(Ino::ROOT, "f", false, e.clone());
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
@@ -1138,6 +1142,7 @@ async fn stale_unlink_expectations_fail_compares_never_the_mutation() {
         },
         child: w.inode(d).await,
         parent: None,
+        extents: None,
     };
     let m = unlink_expecting(Ino::ROOT, "f", false, wrong);
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
@@ -1154,6 +1159,125 @@ async fn stale_unlink_expectations_fail_compares_never_the_mutation() {
     assert_eq!(w.run(m).await.unwrap_err(), MetaError::NotFound);
 }
 
+fn ext(off: u64, len: u64, dev: u64) -> Extent {
+    Extent {
+        file_off: off,
+        len,
+        dev_off: dev,
+        unwritten: false,
+    }
+}
+
+fn unlink_with_map(w_inode: Option<InodeAttr>, ino: Ino, map: Vec<Extent>) -> UnlinkExpect {
+    UnlinkExpect {
+        entry: Dentry {
+            ino,
+            kind: FileType::Regular,
+        },
+        child: w_inode,
+        parent: None,
+        extents: Some(map),
+    }
+}
+
+#[tokio::test]
+async fn an_unlink_planned_from_the_known_map_reads_nothing_and_releases_exactly_it() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 4096, 1 << 20).await;
+    w.add_extent(f, 8192, 4096, 3 << 20).await;
+    let map = vec![ext(0, 4096, 1 << 20), ext(8192, 4096, 3 << 20)];
+    let e = unlink_with_map(w.inode(f).await, f, map);
+    let (p, rounds) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "f", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert_eq!(
+        rounds, 0,
+        "neither the extents nor the open records are read"
+    );
+    let o = w.apply(&p.unwrap()).await.unwrap();
+    assert_eq!(o.removed, Some(f));
+    let freed: Vec<u64> = o.freed.iter().map(|r| r.dev_off).collect();
+    assert_eq!(freed, vec![1 << 20, 3 << 20]);
+    assert_eq!(o.released, o.freed, "logged in the same txn");
+    assert!(w.exists(w.keys.released(3 << 20)).await);
+    assert!(!w.exists(w.keys.extent(f, 0)).await);
+    assert!(!w.exists(w.keys.extent(f, 8192)).await);
+}
+
+#[tokio::test]
+async fn a_stale_known_map_fails_the_unlink_compares_and_releases_nothing() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    w.add_extent(f, 0, 4096, 1 << 20).await;
+    w.add_extent(f, 8192, 4096, 3 << 20).await;
+    let attr = w.inode(f).await;
+    let real = vec![ext(0, 4096, 1 << 20), ext(8192, 4096, 3 << 20)];
+    let stale_maps = [
+        ("a key missing", vec![ext(0, 4096, 1 << 20)]),
+        ("the first key missing", vec![ext(8192, 4096, 3 << 20)]),
+        (
+            "a key elsewhere on the device",
+            vec![ext(0, 4096, 1 << 20), ext(8192, 4096, 5 << 20)],
+        ),
+        (
+            "a key etcd does not hold",
+            vec![
+                ext(0, 4096, 1 << 20),
+                ext(4096, 4096, 2 << 20),
+                ext(8192, 4096, 3 << 20),
+            ],
+        ),
+        ("no keys at all", Vec::new()),
+    ];
+    for (what, map) in stale_maps {
+        let e = unlink_with_map(attr.clone(), f, map);
+        let (p, rounds) = w
+            .plan(
+                &unlink_expecting(Ino::ROOT, "f", false, e),
+                &mut Snapshot::default(),
+            )
+            .await;
+        assert_eq!(rounds, 0, "{what}");
+        assert!(w.apply(&p.unwrap()).await.is_err(), "{what}: committed");
+        assert!(w.exists(w.keys.extent(f, 8192)).await, "{what}");
+        assert!(!w.exists(w.keys.released(1 << 20)).await, "{what}");
+    }
+    // A key past the map's end (another node's append since), then another node's open.
+    w.add_extent(f, 1 << 30, 4096, 7 << 20).await;
+    let attr = w.inode(f).await;
+    let e = unlink_with_map(attr.clone(), f, real.clone());
+    let (p, _) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "f", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert!(w.apply(&p.unwrap()).await.is_err(), "a key past the end");
+    let mut with_tail = real.clone();
+    with_tail.push(ext(1 << 30, 4096, 7 << 20));
+    hold_as(&w, f, SessionId(4242)).await;
+    let e = unlink_with_map(attr.clone(), f, with_tail.clone());
+    let (p, _) = w
+        .plan(
+            &unlink_expecting(Ino::ROOT, "f", false, e),
+            &mut Snapshot::default(),
+        )
+        .await;
+    assert!(w.apply(&p.unwrap()).await.is_err(), "open on another node");
+    // Forgotten, the expectation reads: the open file becomes an orphan, nothing freed.
+    let e = unlink_with_map(attr, f, with_tail);
+    let mut m = unlink_expecting(Ino::ROOT, "f", false, e);
+    m.forget_expectation();
+    let o = w.run(m).await.unwrap();
+    assert_eq!(o.orphaned, Some(f));
+    assert!(o.freed.is_empty());
+    assert!(w.exists(w.keys.extent(f, 1 << 30)).await);
+}
+
 async fn rmdir_expect(w: &World, d: Ino) -> UnlinkExpect {
     UnlinkExpect {
         entry: Dentry {
@@ -1162,6 +1286,7 @@ async fn rmdir_expect(w: &World, d: Ino) -> UnlinkExpect {
         },
         child: w.inode(d).await,
         parent: w.inode(Ino::ROOT).await,
+        extents: None,
     }
 }
 
@@ -1740,6 +1865,7 @@ async fn an_unlink_drops_its_own_idle_open_record_in_its_transaction() {
         },
         child: w.inode(c).await,
         parent: None,
+        extents: None,
     };
     let m = unlink_dropping_own_hold("c", Some(e));
     let (p, rounds) = w.plan(&m, &mut Snapshot::default()).await;
@@ -1782,6 +1908,7 @@ async fn an_unlink_drops_its_own_idle_open_record_in_its_transaction() {
                 },
                 child: w.inode(f).await,
                 parent: None,
+                extents: None,
             })
         } else {
             None
