@@ -314,6 +314,11 @@ fn bump(c: &AtomicU64) {
 pub(crate) struct ClosedMap {
     pub(crate) extents: Vec<FileExtent>,
     pub(crate) granted_rev: i64,
+    /// The extent keys the file's last commit here left, when known from its first
+    /// ([`super::files::FileInner::full_map_record`]): what an unlink of it releases
+    /// without reading. (`extents` is the map as this node serves it, merged across
+    /// commits, so it need not match the keys.)
+    pub(crate) keys: Option<Vec<meta::codec::Extent>>,
 }
 
 /// The three caches and their coherence state.
@@ -1019,6 +1024,7 @@ mod tests {
 
     fn closed(granted_rev: i64) -> ClosedMap {
         ClosedMap {
+            keys: None,
             extents: Vec::new(),
             granted_rev,
         }

@@ -101,8 +101,11 @@ impl Inner {
         let unlink = |keep_open: bool, drop_own_hold: bool, map: Option<Vec<_>>| {
             let mut expect = expect;
             if let Some(e) = expect.as_mut().filter(|e| e.child.is_some()) {
-                // The map kept from the file's last close here: released as known.
-                e.extents = map;
+                // The keys kept from the file's last close here, with its open record or
+                // (closed longer ago, the node still holding its lock) with its map:
+                // released as known.
+                let ino = e.entry.ino.0;
+                e.extents = map.or_else(|| self.closed_map_keys(ino));
             }
             self.commit(Mutation::Unlink {
                 parent: Ino(parent),

@@ -73,21 +73,32 @@ impl Inner {
     /// was taken under.
     fn keep_closed_map(&self, st: &FileState, gen: u64, granted: Option<i64>) {
         let Some(granted_rev) = granted else { return };
-        let extents = {
+        let (extents, keys) = {
             let f = st.lock();
             if f.pending.is_some() || f.orphaned {
                 return;
             }
             match &f.extents {
-                Some(e) => e.clone(),
+                Some(e) => (e.clone(), f.full_map_record()),
                 None => return,
             }
         };
         let map = cache::ClosedMap {
             extents,
             granted_rev,
+            keys,
         };
         self.caches.stash_closed_map(st.ino, map, gen);
+    }
+
+    /// The extent keys kept with the map of `ino` at its last close here, taken (an
+    /// unlink of it follows), when this node still holds the lock it was kept under.
+    pub(super) fn closed_map_keys(&self, ino: u64) -> Option<Vec<meta::codec::Extent>> {
+        let granted = self.locks.granted_rev(ino)?;
+        self.caches
+            .take_closed_map(ino)
+            .filter(|m| m.granted_rev == granted)
+            .and_then(|m| m.keys)
     }
 
     /// A file's attributes and extent map, read at one revision for its open (the

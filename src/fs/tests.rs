@@ -3644,6 +3644,47 @@ fn an_unlink_after_close_releases_the_map_the_last_commit_left() {
     assert!(clean, "each unlink read etcd");
 }
 
+/// A file closed here longer ago (its open record gone) keeps the keys of its last commit
+/// with its closed map while this node holds its lock: `rm -rf` of files written here
+/// releases them without reading (each unlink read the extents and open records).
+#[test]
+fn an_unlink_of_a_file_closed_long_ago_releases_the_keys_kept_with_its_map() {
+    let mut a = Fx::new();
+    caches_live(&a);
+    let inner = a.fs.inner().clone();
+    inner.held.set_idle_hold(Duration::ZERO);
+    let free0 = a.statfs().bfree;
+    let reads = |fx: &Fx| counter(fx, "etcd_read_txns");
+    let mut clean = false;
+    for k in 0..3 {
+        let name = format!("old{k}");
+        let (ino, fh) = a.create(ROOT, name.as_bytes());
+        a.write(ino, fh, 0, &pattern(8, 20_000));
+        a.release(ino, fh);
+        assert!(a.kv.dump(b"t/H", b"t/I").is_empty(), "no open record kept");
+        inner.meta.flush(None).unwrap().wait().unwrap();
+        let r0 = reads(&a);
+        let failed = counter(&a, "etcd_compare_failures");
+        a.ok(
+            ROOT,
+            Operation::Unlink {
+                name: name.as_bytes(),
+            },
+        );
+        clean |= reads(&a) == r0;
+        assert_eq!(counter(&a, "etcd_compare_failures"), failed, "{name}");
+        inner
+            .meta
+            .flush(Some(meta::types::Ino(ino)))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(fx_extents(&a, ino).is_empty(), "{name}: extents left");
+        assert_eq!(a.statfs().bfree, free0, "{name}: space back at once");
+    }
+    assert!(clean, "each unlink read etcd");
+}
+
 /// The extent keys of `ino` in etcd.
 fn fx_extents(fx: &Fx, ino: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
     let r = meta::keys::Keyspace::new("t")
