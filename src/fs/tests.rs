@@ -3600,68 +3600,51 @@ fn an_unlink_after_close_takes_the_kept_open_record_with_it() {
     assert_eq!(commits[0], commits[1], "commits per unlink (closed, kept)");
 }
 
-/// A file closed here keeps, with its open record, the extent keys its last commit left;
-/// its unlink releases those without reading them or the open records (a rollback
-/// journal's create, appends, fdatasync, close, unlink: the unlink read both).
+/// A file closed here keeps the extent keys its last commit left with the map the node
+/// keeps while it holds the file's lock; its unlink releases those without reading them
+/// or the open records. A rollback journal (create, appends, fdatasync, close, unlink
+/// while the open record is still kept) and a file closed longer ago (`rm -rf` of files
+/// written here): each unlink read both.
 #[test]
 fn an_unlink_after_close_releases_the_map_the_last_commit_left() {
-    let mut a = Fx::new();
-    caches_live(&a);
-    let inner = a.fs.inner().clone();
-    inner.held.set_idle_hold(Duration::from_secs(60));
-    let free0 = a.statfs().bfree;
-    let reads = |fx: &Fx| counter(fx, "etcd_read_txns");
-    // Background work may read etcd now and then: of three rounds, one must read nothing.
-    let mut clean = false;
-    for k in 0..3 {
-        let name = format!("journal{k}");
-        let (ino, fh) = a.create(ROOT, name.as_bytes());
+    unlinks_after_close_read_nothing(Duration::from_secs(60), |a, ino, fh| {
         a.write(ino, fh, 0, &pattern(4, 30_000));
         a.fsync(ino, fh);
         a.write(ino, fh, 30_000, &pattern(5, 9_000));
         a.fsync(ino, fh);
-        a.release(ino, fh);
-        inner.meta.flush(None).unwrap().wait().unwrap();
-        let r0 = reads(&a);
-        let failed = counter(&a, "etcd_compare_failures");
-        a.ok(
-            ROOT,
-            Operation::Unlink {
-                name: name.as_bytes(),
-            },
-        );
-        clean |= reads(&a) == r0;
-        assert_eq!(counter(&a, "etcd_compare_failures"), failed, "{name}");
-        inner
-            .meta
-            .flush(Some(meta::types::Ino(ino)))
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert!(fx_extents(&a, ino).is_empty(), "{name}: extents left");
-        assert_eq!(a.statfs().bfree, free0, "{name}: space back at once");
-    }
-    assert!(clean, "each unlink read etcd");
+    });
 }
 
-/// A file closed here longer ago (its open record gone) keeps the keys of its last commit
-/// with its closed map while this node holds its lock: `rm -rf` of files written here
-/// releases them without reading (each unlink read the extents and open records).
 #[test]
 fn an_unlink_of_a_file_closed_long_ago_releases_the_keys_kept_with_its_map() {
+    unlinks_after_close_read_nothing(Duration::ZERO, |a, ino, fh| {
+        a.write(ino, fh, 0, &pattern(8, 20_000));
+    });
+}
+
+/// Creates files, writes each with `write`, closes them with the open record kept for
+/// `idle_hold`, and unlinks them: one of three unlinks (background work may read etcd
+/// now and then) must read nothing, none may fail a compare, and each must leave no
+/// extent and give its space back at once.
+fn unlinks_after_close_read_nothing(idle_hold: Duration, write: impl Fn(&mut Fx, u64, u64)) {
     let mut a = Fx::new();
     caches_live(&a);
     let inner = a.fs.inner().clone();
-    inner.held.set_idle_hold(Duration::ZERO);
+    inner.held.set_idle_hold(idle_hold);
     let free0 = a.statfs().bfree;
     let reads = |fx: &Fx| counter(fx, "etcd_read_txns");
     let mut clean = false;
     for k in 0..3 {
-        let name = format!("old{k}");
+        let name = format!("f{k}");
         let (ino, fh) = a.create(ROOT, name.as_bytes());
-        a.write(ino, fh, 0, &pattern(8, 20_000));
+        write(&mut a, ino, fh);
         a.release(ino, fh);
-        assert!(a.kv.dump(b"t/H", b"t/I").is_empty(), "no open record kept");
+        let records = a.kv.dump(b"t/H", b"t/I").len();
+        assert_eq!(
+            records,
+            usize::from(!idle_hold.is_zero()),
+            "{name}: open records"
+        );
         inner.meta.flush(None).unwrap().wait().unwrap();
         let r0 = reads(&a);
         let failed = counter(&a, "etcd_compare_failures");
@@ -3686,37 +3669,57 @@ fn an_unlink_of_a_file_closed_long_ago_releases_the_keys_kept_with_its_map() {
 }
 
 /// The extent keys of `ino` in etcd.
-fn fx_extents(fx: &Fx, ino: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
-    let r = meta::keys::Keyspace::new("t")
-        .unwrap()
-        .extents(meta::types::Ino(ino));
-    fx.kv.dump(&r.start, &r.end)
+fn fx_extents(fx: &Fx, ino: u64) -> Vec<meta::codec::Extent> {
+    let keys = meta::keys::Keyspace::new("t").unwrap();
+    let r = keys.extents(meta::types::Ino(ino));
+    fx.kv
+        .dump(&r.start, &r.end)
+        .iter()
+        .map(|(k, v)| match keys.parse(k) {
+            Some(meta::keys::KeyKind::Extent(_, off)) => {
+                meta::codec::Extent::decode_value(off, v).unwrap()
+            }
+            _ => panic!("not an extent key: {k:?}"),
+        })
+        .collect()
 }
 
-/// An unlink planned from the map this node's last commit left, when another node has
-/// appended to the file since: the compares fail, and the re-plan releases what etcd
-/// holds, the other node's extent too (planned from the stale map, it would leak).
+/// An unlink planned from kept keys gone stale (another node appended to the file since;
+/// here the keys from before the append are put back under this node's current grant, as
+/// if a race had kept them): the compares fail, and the re-plan releases what etcd holds,
+/// the other node's extent too (planned from the stale keys, it would leak).
 #[test]
 fn an_unlink_from_a_stale_map_releases_what_etcd_holds() {
     let mut a = Fx::new();
     caches_live(&a);
     let inner = a.fs.inner().clone();
-    inner.held.set_idle_hold(Duration::from_secs(60));
     let (ino, fh) = a.create(ROOT, b"shared");
     a.write(ino, fh, 0, &pattern(6, 8192));
     a.fsync(ino, fh);
     a.release(ino, fh);
+    let before = fx_extents(&a, ino);
     let mut b = second_mount(&a);
     let bfh = b.open(ino);
     b.write(ino, bfh, 1 << 20, &pattern(7, 4096));
     b.fsync(ino, bfh);
     b.release(ino, bfh);
     assert_eq!(fx_extents(&a, ino).len(), 2, "both nodes' extents");
-    // The append seen here, so that the unlink expects the current attributes: only
-    // the kept map is stale.
+    // The append seen here, and the lock taken back by an open, so that the unlink
+    // expects the current attributes under a current grant: only the keys are stale.
     eventually("the append seen", || {
         a.getattr(ino).attr.size == (1 << 20) + 4096
     });
+    let fh = a.open(ino);
+    a.release(ino, fh);
+    let granted_rev = inner.locks.granted_rev(ino).expect("the lock held again");
+    let stale = super::cache::ClosedMap {
+        extents: Vec::new(),
+        granted_rev,
+        keys: Some(before),
+    };
+    inner
+        .caches
+        .stash_closed_map(ino, stale, inner.caches.blocks_gen());
     let failed = counter(&a, "etcd_compare_failures");
     a.ok(ROOT, Operation::Unlink { name: b"shared" });
     assert!(

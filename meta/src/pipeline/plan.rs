@@ -956,9 +956,7 @@ fn plan_unlink<'a>(
     let full_map = expect
         .filter(|_| !dir && child_exp.is_some())
         .and_then(|e| e.extents.as_deref())
-        .filter(|list| {
-            usable_full_map(list) && p.snap.range(&extents_req(p.keys(), child, 0)).is_none()
-        });
+        .filter(|list| usable_full_map(list) && p.snap.range(&extents_req(k, child, 0)).is_none());
     if let Some(list) = full_map {
         p.full_map = Some((child, list));
     }

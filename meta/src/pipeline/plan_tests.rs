@@ -1168,13 +1168,13 @@ fn ext(off: u64, len: u64, dev: u64) -> Extent {
     }
 }
 
-fn unlink_with_map(w_inode: Option<InodeAttr>, ino: Ino, map: Vec<Extent>) -> UnlinkExpect {
+fn unlink_with_map(child: Option<InodeAttr>, ino: Ino, map: Vec<Extent>) -> UnlinkExpect {
     UnlinkExpect {
         entry: Dentry {
             ino,
             kind: FileType::Regular,
         },
-        child: w_inode,
+        child,
         parent: None,
         extents: Some(map),
     }
