@@ -101,7 +101,15 @@ struct Stripe {
     /// Inodes whose open record a create-and-open put: the first open takes it over.
     created: HashSet<u64>,
     /// Closed here, record kept until then (see [`IDLE_HOLD`]).
-    idle: HashMap<u64, Instant>,
+    idle: HashMap<u64, Idle>,
+}
+
+/// A file closed here whose open record is kept for an open that might follow.
+struct Idle {
+    since: Instant,
+    /// Every extent key of the file as its last commit here left them, for an unlink
+    /// that follows to release without reading them (a database's rollback journal).
+    map: Option<Vec<meta::codec::Extent>>,
 }
 
 /// This node's open records: per inode, how many opens it has.
@@ -263,6 +271,17 @@ impl Inner {
     /// for [`IDLE_HOLD`] (then [`Inner::unhold_idle`] deletes it), or deleted at once for
     /// a file known unlinked (`orphan`), which it reclaims when nobody else has it open.
     pub(super) fn unhold_open(&self, ino: u64, orphan: bool) {
+        self.unhold_open_keeping(ino, orphan, None);
+    }
+
+    /// [`Inner::unhold_open`], keeping the file's extent map (as its last commit left it,
+    /// see `Idle::map`) with a record kept idle.
+    pub(super) fn unhold_open_keeping(
+        &self,
+        ino: u64,
+        orphan: bool,
+        map: Option<Vec<meta::codec::Extent>>,
+    ) {
         let mut s = self.held.stripe(ino);
         let Some(n) = s.count.get_mut(&ino) else {
             return;
@@ -277,7 +296,13 @@ impl Inner {
             && !self.held.idle_hold().is_zero()
             && self.held.idle.load(Ordering::Acquire) < IDLE_HOLDS_MAX
         {
-            s.idle.insert(ino, Instant::now());
+            s.idle.insert(
+                ino,
+                Idle {
+                    since: Instant::now(),
+                    map,
+                },
+            );
             self.held.idle.fetch_add(1, Ordering::AcqRel);
             return;
         }
@@ -296,7 +321,7 @@ impl Inner {
                 let s = lock(&self.held.stripes[i]);
                 s.idle
                     .iter()
-                    .filter(|(_, t)| all || t.elapsed() >= keep)
+                    .filter(|(_, t)| all || t.since.elapsed() >= keep)
                     .map(|(&ino, _)| ino)
                     .collect()
             };
@@ -361,17 +386,18 @@ impl Inner {
     pub(super) fn unlink_with_own_record<T>(
         &self,
         ino: u64,
-        unlink: impl FnOnce(bool, bool) -> Result<T, Errno>,
+        unlink: impl FnOnce(bool, bool, Option<Vec<meta::codec::Extent>>) -> Result<T, Errno>,
     ) -> Result<T, Errno> {
         let mut s = self.held.stripe(ino);
         let keep_open = s.count.get(&ino).is_some_and(|n| *n > 0);
-        if keep_open || s.idle.remove(&ino).is_none() {
+        let idle = if keep_open { None } else { s.idle.remove(&ino) };
+        let Some(idle) = idle else {
             drop(s);
-            return unlink(keep_open, false);
-        }
+            return unlink(keep_open, false, None);
+        };
         self.held.idle.fetch_sub(1, Ordering::AcqRel);
         self.held.unholds[Held::stripe_of(ino)].fetch_add(1, Ordering::AcqRel);
-        let r = unlink(false, true);
+        let r = unlink(false, true, idle.map);
         if r.is_err() {
             // Whether the record went with a failed unlink is not known: it goes on its
             // own, as it did before the unlink carried it.

@@ -98,12 +98,14 @@ impl Inner {
             Lookup::Absent | Lookup::Unknown { .. } => None,
         };
         let child = expect.as_ref().filter(|_| !dir).map(|e| e.entry.ino.0);
-        let unlink = |keep_open: bool, drop_own_hold: bool| {
+        let unlink = |keep_open: bool, drop_own_hold: bool, map: Option<Vec<_>>| {
             let mut expect = expect;
-            if let Some(e) = expect.as_mut().filter(|e| e.child.is_some() && !keep_open) {
-                // The keys kept with the map of the file's last close here: released as
-                // known.
-                e.extents = self.closed_map_keys(e.entry.ino.0);
+            if let Some(e) = expect.as_mut().filter(|e| e.child.is_some()) {
+                // The keys kept from the file's last close here, with its open record or
+                // (closed longer ago, the node still holding its lock) with its map:
+                // released as known.
+                let ino = e.entry.ino.0;
+                e.extents = map.or_else(|| self.closed_map_keys(ino));
             }
             self.commit(Mutation::Unlink {
                 parent: Ino(parent),
@@ -120,7 +122,7 @@ impl Inner {
         };
         match child {
             Some(ino) => self.unlink_with_own_record(ino, unlink)?,
-            None => unlink(false, false)?,
+            None => unlink(false, false, None)?,
         };
         Ok(Done::Empty)
     }

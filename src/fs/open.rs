@@ -189,14 +189,21 @@ impl Inner {
 
     /// Drops one open of a regular file; the last close anywhere of an orphan deletes it.
     pub(super) fn release_file(&self, ino: u64) {
-        let orphan = self.release_state(ino);
-        self.unhold_open(ino, orphan);
+        let (orphan, map) = self.release_state_keeping(ino);
+        self.unhold_open_keeping(ino, orphan, map);
     }
 
     /// Drops one use of a file's open state (an open, or a truncate of a file not open,
     /// which holds no open record).
     /// True when this was the last close here of a file known to be unlinked.
     pub(super) fn release_state(&self, ino: u64) -> bool {
+        self.release_state_keeping(ino).0
+    }
+
+    /// [`Inner::release_state`], and at the last close of a file not unlinked the extent
+    /// keys its last commit here left, when they are known from its first on
+    /// ([`files::FileInner::full_map_record`]).
+    fn release_state_keeping(&self, ino: u64) -> (bool, Option<Vec<meta::codec::Extent>>) {
         // Pending writes commit while the file is still in the table (a failed attempt
         // stays pending for the next trigger); an orphan's are dropped at its last close.
         let dirty = self.files.is_dirty(ino);
@@ -245,10 +252,11 @@ impl Inner {
                 // generation and the kept map alone).
                 self.keep_closed_map(&st, gen, granted);
                 self.persist_mtime(&st);
+                return (false, st.lock().full_map_record());
             }
-            return orphan;
+            return (orphan, None);
         }
-        false
+        (false, None)
     }
 
     /// Writes a pending in-place-overwrite mtime (and a read's atime). First without the

@@ -3600,11 +3600,9 @@ fn an_unlink_after_close_takes_the_kept_open_record_with_it() {
     assert_eq!(commits[0], commits[1], "commits per unlink (closed, kept)");
 }
 
-/// A file closed here keeps the extent keys its last commit left with the map the node
-/// keeps while it holds the file's lock; its unlink releases those without reading them
-/// or the open records. A rollback journal (create, appends, fdatasync, close, unlink
-/// while the open record is still kept) and a file closed longer ago (`rm -rf` of files
-/// written here): each unlink read both.
+/// A file closed here keeps, with its open record, the extent keys its last commit left;
+/// its unlink releases those without reading them or the open records (a rollback
+/// journal's create, appends, fdatasync, close, unlink: the unlink read both).
 #[test]
 fn an_unlink_after_close_releases_the_map_the_last_commit_left() {
     unlinks_after_close_read_nothing(Duration::from_secs(60), |a, ino, fh| {
@@ -3615,10 +3613,19 @@ fn an_unlink_after_close_releases_the_map_the_last_commit_left() {
     });
 }
 
+/// A file closed here longer ago (its open record gone) keeps the keys of its last commit
+/// with its closed map while this node holds its lock: `rm -rf` of files written here
+/// releases them without reading (each unlink read the extents and open records).
 #[test]
 fn an_unlink_of_a_file_closed_long_ago_releases_the_keys_kept_with_its_map() {
     unlinks_after_close_read_nothing(Duration::ZERO, |a, ino, fh| {
         a.write(ino, fh, 0, &pattern(8, 20_000));
+        // Committed and seen by the watch before the close: the map is kept only if no
+        // extent change of the file reaches the watch after it (under load, the event of
+        // a commit made at the close itself can come later and drop it; CI found that).
+        a.fsync(ino, fh);
+        a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+        caught_up(a);
     });
 }
 
@@ -3669,57 +3676,37 @@ fn unlinks_after_close_read_nothing(idle_hold: Duration, write: impl Fn(&mut Fx,
 }
 
 /// The extent keys of `ino` in etcd.
-fn fx_extents(fx: &Fx, ino: u64) -> Vec<meta::codec::Extent> {
-    let keys = meta::keys::Keyspace::new("t").unwrap();
-    let r = keys.extents(meta::types::Ino(ino));
-    fx.kv
-        .dump(&r.start, &r.end)
-        .iter()
-        .map(|(k, v)| match keys.parse(k) {
-            Some(meta::keys::KeyKind::Extent(_, off)) => {
-                meta::codec::Extent::decode_value(off, v).unwrap()
-            }
-            _ => panic!("not an extent key: {k:?}"),
-        })
-        .collect()
+fn fx_extents(fx: &Fx, ino: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let r = meta::keys::Keyspace::new("t")
+        .unwrap()
+        .extents(meta::types::Ino(ino));
+    fx.kv.dump(&r.start, &r.end)
 }
 
-/// An unlink planned from kept keys gone stale (another node appended to the file since;
-/// here the keys from before the append are put back under this node's current grant, as
-/// if a race had kept them): the compares fail, and the re-plan releases what etcd holds,
-/// the other node's extent too (planned from the stale keys, it would leak).
+/// An unlink planned from the map this node's last commit left, when another node has
+/// appended to the file since: the compares fail, and the re-plan releases what etcd
+/// holds, the other node's extent too (planned from the stale map, it would leak).
 #[test]
 fn an_unlink_from_a_stale_map_releases_what_etcd_holds() {
     let mut a = Fx::new();
     caches_live(&a);
     let inner = a.fs.inner().clone();
+    inner.held.set_idle_hold(Duration::from_secs(60));
     let (ino, fh) = a.create(ROOT, b"shared");
     a.write(ino, fh, 0, &pattern(6, 8192));
     a.fsync(ino, fh);
     a.release(ino, fh);
-    let before = fx_extents(&a, ino);
     let mut b = second_mount(&a);
     let bfh = b.open(ino);
     b.write(ino, bfh, 1 << 20, &pattern(7, 4096));
     b.fsync(ino, bfh);
     b.release(ino, bfh);
     assert_eq!(fx_extents(&a, ino).len(), 2, "both nodes' extents");
-    // The append seen here, and the lock taken back by an open, so that the unlink
-    // expects the current attributes under a current grant: only the keys are stale.
+    // The append seen here, so that the unlink expects the current attributes: only
+    // the kept map is stale.
     eventually("the append seen", || {
         a.getattr(ino).attr.size == (1 << 20) + 4096
     });
-    let fh = a.open(ino);
-    a.release(ino, fh);
-    let granted_rev = inner.locks.granted_rev(ino).expect("the lock held again");
-    let stale = super::cache::ClosedMap {
-        extents: Vec::new(),
-        granted_rev,
-        keys: Some(before),
-    };
-    inner
-        .caches
-        .stash_closed_map(ino, stale, inner.caches.blocks_gen());
     let failed = counter(&a, "etcd_compare_failures");
     a.ok(ROOT, Operation::Unlink { name: b"shared" });
     assert!(
