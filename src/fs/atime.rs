@@ -33,6 +33,9 @@ pub(crate) fn note_read(f: &mut files::FileInner, noatime: bool) {
         a.mtime = a.mtime.max(m);
         a.ctime = a.ctime.max(m);
     }
+    if let Some(c) = f.ctime_dirty {
+        a.ctime = a.ctime.max(c);
+    }
     let now = SystemClock::new().wall();
     if relatime_due(&a, cur, now) {
         f.atime_dirty = Some(now);

@@ -3,6 +3,7 @@
 //! open file, FORGET); everything else goes to a waiter thread (`pool`), or runs inline
 //! when the context cannot defer (tests, the sideband reader).
 
+use super::rw::WriteMode;
 use super::*;
 use meta::cachelock::LockMode;
 
@@ -270,7 +271,8 @@ impl EtcFs {
                 let counters = &self.inner.data_counters;
                 // Writes the application asked to reach the device go there.
                 let to_device = (libc::O_DIRECT | libc::O_DSYNC | libc::O_SYNC) as u32;
-                if !append && flags & to_device == 0 {
+                let may_hold = flags & to_device == 0;
+                if !append && may_hold {
                     if let Some(r) = self.write_held(ino, offset, data, kill, out) {
                         counters.writes_held.fetch_add(1, Ordering::Relaxed);
                         return r;
@@ -289,7 +291,16 @@ impl EtcFs {
                 let pages = cached_io(flags, offset, data.len() as u64);
                 self.offload(ctx, out, move |i| {
                     let _held = i.hold(ino, LockMode::Exclusive, pages)?;
-                    i.write(ino, offset, &data, kill, append)
+                    i.write(
+                        ino,
+                        offset,
+                        &data,
+                        WriteMode {
+                            kill,
+                            append,
+                            may_hold,
+                        },
+                    )
                 })
             }
             Operation::Statfs => self.offload(ctx, out, |i| i.statfs()),
@@ -337,8 +348,8 @@ impl EtcFs {
             Operation::Fsync { datasync, .. } => {
                 self.offload(ctx, out, move |i| i.fsync(ino, false, datasync))
             }
-            Operation::Fsyncdir { .. } => {
-                self.offload(ctx, out, move |i| i.fsync(ino, true, false))
+            Operation::Fsyncdir { datasync, .. } => {
+                self.offload(ctx, out, move |i| i.fsync(ino, true, datasync))
             }
             Operation::Syncfs => self.offload(ctx, out, move |i| {
                 let mut r = Ok(());

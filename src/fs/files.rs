@@ -59,6 +59,10 @@ pub(crate) struct FileInner {
     /// atime of reads (relatime) not yet written to etcd: written with the mtime, or at
     /// the last close, the lock's hand-over, fsync or unmount (`atime.rs`).
     pub(crate) atime_dirty: Option<Timespec>,
+    /// ctime of a change held before its commit (a chown to the owner the file has):
+    /// written with the mtime or atime at the same moments, and dropped once a commit of
+    /// the file has written a ctime as late (every commit of a write or setattr does).
+    pub(crate) ctime_dirty: Option<Timespec>,
     /// Allocating writes whose data is on the device (not yet flushed) and whose extents
     /// and size are in `extents`/`attr` here but not yet in etcd. `extents` is never
     /// dropped while this is set: it is the only record of where the data went.
@@ -194,17 +198,18 @@ pub(crate) const HELD_BLOCKS_MAX: usize = 64;
 const HELD_BLOCKS_TOTAL_MAX: usize = 8192;
 static HELD_BLOCKS_TOTAL: AtomicUsize = AtomicUsize::new(0);
 
-/// Small buffered overwrites of written blocks inside EOF, answered before they reach the
-/// device: the whole blocks as the writes left them, each with the device offset it
+/// Small buffered writes answered before they reach the device: the whole blocks as the writes left them, each with the device offset it
 /// belongs at. A local filesystem's page cache takes such a write in microseconds; here
 /// each was a device write (80 µs) until it was held. They are written out, in one batch,
 /// before anything else of this node reads or writes the file's blocks, commits its
 /// pending writes (fsync, close, the age bound, the lock's hand-over to another node), or
 /// forgets its open state; a fenced node drops them (its handles then answer EIO).
 ///
-/// Only overwrites are held: nothing in etcd changes with them (the mtime is kept as for
-/// any overwrite), so a crash loses at most writes never fsync'd, as a page cache does,
-/// and no extent ever points at blocks whose data is still here.
+/// Overwrites are held, and small writes into blocks whose allocation is pending (a
+/// journal's appends): a crash loses at most writes never fsync'd, as a page cache does.
+/// No extent in etcd ever points at blocks whose data is still here: a commit of pending
+/// writes writes the held blocks out and flushes the device first, and held blocks that
+/// never reach the device take the pending writes with them.
 #[derive(Debug, Default)]
 pub(crate) struct HeldBlocks {
     blocks: std::collections::BTreeMap<u64, HeldBlock>,
@@ -409,10 +414,20 @@ impl FileInner {
         if self.committed.as_ref().is_some_and(|c| c.attr != *attr) {
             self.committed = None;
         }
+        if self.ctime_dirty.is_some_and(|t| attr.ctime >= t) {
+            self.ctime_dirty = None;
+        }
         self.attr = attr.clone();
         self.attr_rev = rev;
         self.overlay_pending();
         true
+    }
+
+    /// Holds the ctime of a change that moved nothing else (see `ctime_dirty`), from the
+    /// kernel's coarse clock as an overwrite's mtime, never before the ctime shown.
+    pub(crate) fn touch_ctime(&mut self) {
+        let shown = self.ctime_dirty.unwrap_or(self.attr.ctime);
+        self.ctime_dirty = Some(coarse_wall().max(shown));
     }
 
     /// [`FileInner::set_attr`] with the attributes an own SetAttr replaced (`before`): the
@@ -621,6 +636,7 @@ impl Files {
                 orphaned: false,
                 mtime_dirty: None,
                 atime_dirty: None,
+                ctime_dirty: None,
                 pending: None,
                 recent: RecentBlocks::default(),
                 held: HeldBlocks::default(),
@@ -663,6 +679,7 @@ impl Files {
             lost += usize::from(!f.held.take().is_empty());
             f.mtime_dirty = None;
             f.atime_dirty = None;
+            f.ctime_dirty = None;
             f.forget_extents();
             f.attr_rev = 0;
         }
@@ -785,7 +802,10 @@ impl Files {
     pub(crate) fn has_dirty_state(&self, ino: u64) -> bool {
         match self.get(ino) {
             Some(st) => st.try_lock().is_none_or(|f| {
-                f.mtime_dirty.is_some() || f.pending.is_some() || !f.held.is_empty()
+                f.mtime_dirty.is_some()
+                    || f.ctime_dirty.is_some()
+                    || f.pending.is_some()
+                    || !f.held.is_empty()
             }),
             None => false,
         }
@@ -802,6 +822,9 @@ fn attr_of(f: &FileInner) -> (InodeAttr, Option<u64>) {
     }
     if let Some(t) = f.atime_dirty {
         attr.atime = attr.atime.max(t);
+    }
+    if let Some(t) = f.ctime_dirty {
+        attr.ctime = attr.ctime.max(t);
     }
     let blocks = f
         .extents

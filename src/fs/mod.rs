@@ -1767,7 +1767,7 @@ fn plan_held_overwrite(
 
 /// Largest overwrite held ([`plan_held_overwrite`]): larger ones gain nothing from it, the
 /// device takes them at its bandwidth.
-const HOLD_WRITE_MAX: u64 = 4 * BLOCK_SIZE;
+pub(crate) const HOLD_WRITE_MAX: u64 = 4 * BLOCK_SIZE;
 
 /// What [`plan_merged_overwrite`] plans.
 struct MergedOverwrite {

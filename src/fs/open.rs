@@ -247,6 +247,7 @@ impl Inner {
                 let mut f = st.lock();
                 f.mtime_dirty = None;
                 f.atime_dirty = None;
+                f.ctime_dirty = None;
             } else {
                 // Before the mtime's commit, which changes no extent (and so leaves the
                 // generation and the kept map alone).
@@ -270,17 +271,18 @@ impl Inner {
     /// ordered with those changes (a utimes clears them; a later write's commit wrote a
     /// later mtime of its own).
     pub(super) fn persist_mtime(&self, st: &FileState) {
-        let (mtime, atime, rev) = {
+        let (mtime, atime, ctime, rev) = {
             let f = st.lock();
-            (f.mtime_dirty, f.atime_dirty, f.attr_rev)
+            (f.mtime_dirty, f.atime_dirty, f.ctime_dirty, f.attr_rev)
         };
-        if mtime.is_none() && atime.is_none() {
+        if mtime.is_none() && atime.is_none() && ctime.is_none() {
             return;
         }
         // 0: the attributes are to be read again (a dropped pending change).
         if rev > 0 {
             self.caches.forget_times(st.ino);
-            match self.commit_op(times_mutation(st.ino, mtime, atime, Some(rev))) {
+            let m = times_mutation(st.ino, mtime, atime, ctime.is_some(), Some(rev));
+            match self.commit_op(m) {
                 Err(MetaError::Changed) => {
                     self.data_counters
                         .mtime_commits_relocked
@@ -296,6 +298,9 @@ impl Inner {
                         if f.atime_dirty == atime {
                             f.atime_dirty = None;
                         }
+                        if f.ctime_dirty == ctime {
+                            f.ctime_dirty = None;
+                        }
                     }
                     drop(f);
                     self.times_committed(st.ino, r, atime.is_some());
@@ -305,10 +310,11 @@ impl Inner {
         }
         let mut f = st.lock();
         let (mtime, atime) = (f.mtime_dirty.take(), f.atime_dirty.take());
-        if mtime.is_none() && atime.is_none() {
+        let ctime = f.ctime_dirty.take().is_some();
+        if mtime.is_none() && atime.is_none() && !ctime {
             return;
         }
-        let r = self.commit_locked(&mut f, times_mutation(st.ino, mtime, atime, None));
+        let r = self.commit_locked(&mut f, times_mutation(st.ino, mtime, atime, ctime, None));
         drop(f);
         self.times_committed(st.ino, r, atime.is_some());
     }
@@ -344,11 +350,18 @@ impl Inner {
     /// device's flush, and its readers of the file waited through both.
     pub(super) fn fsync(&self, ino: u64, dir: bool, datasync: bool) -> Result<Done, Errno> {
         if dir {
-            // Its coalesced timestamps planned from the cached inode: one round trip.
-            let t = self
-                .meta
-                .flush_expecting(Some(Ino(ino)), self.caches.attr(ino))
-                .map_err(|e| errno::meta(&e))?;
+            // A directory's data are its entries, written by the mutations before this
+            // barrier; its coalesced timestamps only for fsync, planned from the cached
+            // inode (one round trip). SQLite fdatasyncs the directory after creating each
+            // rollback journal, and that wrote the directory's mtime: an etcd round trip
+            // in every transaction.
+            let t = match datasync {
+                true => self.meta.flush_mutations(),
+                false => self
+                    .meta
+                    .flush_expecting(Some(Ino(ino)), self.caches.attr(ino)),
+            }
+            .map_err(|e| errno::meta(&e))?;
             t.wait().map_err(|e| errno::meta(&e))?;
             return Ok(Done::Empty);
         }
@@ -373,12 +386,13 @@ impl Inner {
     }
 }
 
-/// The commit of a file's pending overwrite mtime and access time; `unchanged_since`: see
-/// [`SetAttr::unchanged_since`].
+/// The commit of a file's pending overwrite mtime, access time and held ctime (`ctime`);
+/// `unchanged_since`: see [`SetAttr::unchanged_since`].
 fn times_mutation(
     ino: u64,
     mtime: Option<Timespec>,
     atime: Option<Timespec>,
+    ctime: bool,
     unchanged_since: Option<i64>,
 ) -> Mutation {
     Mutation::SetAttr {
@@ -387,6 +401,7 @@ fn times_mutation(
             mtime: mtime.map(TimeSet::At),
             atime: atime.map(TimeSet::At),
             access: true,
+            ctime,
             unchanged_since,
             ..SetAttr::default()
         },

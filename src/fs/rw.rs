@@ -187,9 +187,13 @@ impl Inner {
         ino: u64,
         off: u64,
         data: &[u8],
-        kill_suid: bool,
-        append: bool,
+        mode: WriteMode,
     ) -> Result<Done, Errno> {
+        let WriteMode {
+            kill: kill_suid,
+            append,
+            may_hold,
+        } = mode;
         let len = data.len() as u64;
         if !self.op_serving() {
             // Our lease is gone: another node may own our groups now.
@@ -197,8 +201,6 @@ impl Inner {
         }
         let st = self.files.get(ino).ok_or(Errno::EBADF)?;
         let mut f = st.lock();
-        // Below, the device is read and written as it is: what is held goes first.
-        self.write_held_locked(&st, &mut f)?;
         // O_APPEND: the kernel chose the offset from its own idea of the size, which is
         // another node's old size when that node appended last. The exclusive lock makes
         // ours the file's real size; the kernel's copy of the data at its offset (and
@@ -216,7 +218,21 @@ impl Inner {
         if len == 0 {
             return reply_write(0);
         }
-        if let Some((segments, _io)) = plan_overwrite(&st, &mut f, off, data.len(), kill_suid, -1) {
+        // A small write (a journal's appends, mostly) is held, its blocks built on the held
+        // ones; any other is read and written against the device as it is, what is held
+        // written out first.
+        let mut hold = may_hold
+            && end.next_multiple_of(BLOCK_SIZE) - (off - off % BLOCK_SIZE) <= HOLD_WRITE_MAX
+            && f.extents.is_some()
+            && self.fence.open();
+        if !hold {
+            self.write_held_locked(&st, &mut f)?;
+        }
+        let fast = match hold {
+            true => None,
+            false => plan_overwrite(&st, &mut f, off, data.len(), kill_suid, -1),
+        };
+        if let Some((segments, _io)) = fast {
             // What a core's fast path serves, here because that path found the lock busy:
             // planned under the lock and written outside it with the file's I/O count
             // raised, as on a core. Holding the lock through the device write (and waiting
@@ -253,7 +269,7 @@ impl Inner {
                 Ok(outs) => {
                     drop(f);
                     outs.iter().for_each(|o| self.after_commit_unlocked(o));
-                    return self.write(ino, off, data, kill_suid, append);
+                    return self.write(ino, off, data, mode);
                 }
                 // Kept for its next trigger; this write goes on as it would have.
                 Err(e) => log::warn!("committing writes behind of inode {ino} early: {e}"),
@@ -298,8 +314,12 @@ impl Inner {
         let mut io = self.io();
         for b in &plan.rmw {
             if b.file_off < plan.block_off {
-                // The old EOF block before the write: zero its tail in place.
+                // The old EOF block before the write: zero its tail in place, on the
+                // device (so what is held goes there first).
                 if let Some(dev_off) = b.old_dev_off {
+                    if std::mem::take(&mut hold) {
+                        self.write_held_locked(&st, &mut f)?;
+                    }
                     f.recent.forget(b.file_off, BLOCK_SIZE);
                     let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);
                     let r = io.read_at(&mut blk, dev_off).and_then(|()| {
@@ -316,7 +336,12 @@ impl Inner {
             let at = (b.file_off - plan.block_off) as usize;
             let slot = &mut buf[at..at + BLOCK_SIZE as usize];
             if let Some(dev_off) = b.old_dev_off {
-                if let Some(kept) = f.recent.get(b.file_off, dev_off) {
+                if let Some(h) = f.held.get(b.file_off, dev_off) {
+                    slot.copy_from_slice(h);
+                    self.data_counters
+                        .rmw_blocks_kept
+                        .fetch_add(1, Ordering::Relaxed);
+                } else if let Some(kept) = f.recent.get(b.file_off, dev_off) {
                     slot.copy_from_slice(kept);
                     self.data_counters
                         .rmw_blocks_kept
@@ -388,8 +413,25 @@ impl Inner {
         }
         // What the device holds in this range is unknown until every write below succeeded.
         f.recent.forget(plan.block_off, plan.block_len);
+        let held = match hold {
+            true => hold_blocks(&mut f, plan.block_off, &buf, &new_map),
+            false => false,
+        };
+        if hold && !held {
+            // No room to hold: the device must have what is held before this is written.
+            if let Err(e) = self.write_held_locked(&st, &mut f) {
+                self.unalloc(&allocated);
+                return Err(e);
+            }
+        }
+        if held {
+            self.data_counters
+                .writes_held
+                .fetch_add(1, Ordering::Relaxed);
+            self.files.mark_dirty(ino);
+        }
         let mut reqs_res = Ok(());
-        for e in &new_map {
+        for e in new_map.iter().filter(|_| !held) {
             let at = (e.file_off - plan.block_off) as usize;
             // Whole blocks at block-aligned offsets, from an aligned buffer slice: write
             // through a bounce only when the piece does not start the buffer.
@@ -409,7 +451,7 @@ impl Inner {
             self.unalloc(&allocated);
             return Err(errno::dev(&e));
         }
-        if !plan.rmw.is_empty() {
+        if !plan.rmw.is_empty() && !held {
             // Dropped again below if the map does not take the new blocks.
             f.recent.put_edges(plan.block_off, &buf, |block| {
                 new_map
@@ -659,7 +701,7 @@ impl Inner {
         }
         let mut blocks = f.held.take();
         let n = blocks.len() as u64;
-        let lost = |what: &str| {
+        let lost = |f: &mut files::FileInner, what: &str| {
             log::error!(
                 "{n} written blocks of inode {} never reached the device: {what}",
                 st.ino
@@ -667,10 +709,15 @@ impl Inner {
             self.data_counters
                 .held_blocks_lost
                 .fetch_add(n, Ordering::Relaxed);
+            // Some may be blocks that pending writes allocated: their extents must never
+            // reach etcd, or the file would show whatever the device had there before.
+            if let Some(p) = f.pending.take() {
+                self.drop_pending(st.ino, f, p);
+            }
             Errno::EIO
         };
         if !self.op_serving() {
-            return Err(lost("this node's session is gone"));
+            return Err(lost(f, "this node's session is gone"));
         }
         st.wait_io(f);
         blocks.sort_unstable_by_key(|&(_, dev_off, _)| dev_off);
@@ -710,7 +757,7 @@ impl Inner {
             .find_map(Result::err);
         drop(reqs);
         if let Some(e) = failed {
-            return Err(lost(&e.to_string()));
+            return Err(lost(f, &e.to_string()));
         }
         let c = &self.data_counters;
         c.held_blocks_written.fetch_add(n, Ordering::Relaxed);
@@ -853,4 +900,48 @@ impl Inner {
             }
         }
     }
+}
+
+/// How a WRITE is to be done.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WriteMode {
+    /// Clear set-user-id (and set-group-id) as a write by another user does.
+    pub(crate) kill: bool,
+    /// O_APPEND: at the file's real size, whatever offset the kernel chose.
+    pub(crate) append: bool,
+    /// The application did not ask for the device (O_DIRECT, O_SYNC, O_DSYNC): a small
+    /// write may be held ([`files::HeldBlocks`]).
+    pub(crate) may_hold: bool,
+}
+
+/// Holds the blocks of a write's image `buf` (starting at file offset `block_off`, placed
+/// by `map`) instead of writing them: true when every block is held, false (holding
+/// nothing) when the bounds of [`files::HeldBlocks::reserve`] leave no room.
+fn hold_blocks(f: &mut files::FileInner, block_off: u64, buf: &[u8], map: &[FileExtent]) -> bool {
+    let dev_of = |block: u64| {
+        map.iter()
+            .find(|e| e.file_off <= block && block < e.file_off + e.len)
+            .map(|e| e.dev_off + (block - e.file_off))
+    };
+    let blocks: Option<Vec<(u64, u64)>> = (block_off..block_off + buf.len() as u64)
+        .step_by(BLOCK_SIZE as usize)
+        .map(|block| dev_of(block).map(|d| (block, d)))
+        .collect();
+    let Some(blocks) = blocks else {
+        return false;
+    };
+    let new = blocks
+        .iter()
+        .filter(|&&(block, dev_off)| f.held.get(block, dev_off).is_none())
+        .count();
+    if !f.held.reserve(new) {
+        return false;
+    }
+    for (block, dev_off) in blocks {
+        let at = (block - block_off) as usize;
+        let mut data = AlignedBuf::new(BLOCK_SIZE as usize);
+        data.copy_from_slice(&buf[at..at + BLOCK_SIZE as usize]);
+        f.held.put(block, dev_off, data);
+    }
+    true
 }

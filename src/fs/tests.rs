@@ -6,8 +6,8 @@ use std::{path::Path, sync::Arc, time::Duration};
 use fusedev::{
     abi::{
         AttrOut, Dirent, EntryOut, FromBytes, GetxattrOut, Kstatfs, LseekOut, OpenOut, SetattrIn,
-        WriteOut, FATTR_MODE, FATTR_MTIME, FATTR_SIZE, FUSE_ROOT_ID, RENAME_EXCHANGE,
-        RENAME_NOREPLACE, XATTR_CREATE, XATTR_REPLACE,
+        WriteOut, FATTR_GID, FATTR_MODE, FATTR_MTIME, FATTR_SIZE, FATTR_UID, FUSE_ROOT_ID,
+        RENAME_EXCHANGE, RENAME_NOREPLACE, XATTR_CREATE, XATTR_REPLACE,
     },
     errno::Errno,
     request::{self, Operation, Request},
@@ -19,7 +19,10 @@ use meta::{
 };
 
 use super::{connect_backend, mkfs_on, pipeline_config, CacheOpts, Dev, EtcFs};
-use crate::data::{device::mem::MemDev, BLOCK_SIZE};
+use crate::data::{
+    device::mem::{MemDev, MemFaults},
+    BLOCK_SIZE,
+};
 
 pub(super) const ROOT: u64 = FUSE_ROOT_ID;
 /// 16 MiB device with 64-block (256 KiB) groups: 59 groups, 2 claimed at mount, more on
@@ -3323,12 +3326,13 @@ fn small_overwrites_are_held_and_every_reader_and_writer_sees_them() {
         "a whole block and a write into it are held"
     );
     assert_eq!(written(&a), 0);
-    // Across into a block neither held nor kept: a waiter reads it, after writing out
-    // what is held; the block is kept then, and the next write into it is held.
+    // Across into a block neither held nor kept: a waiter reads that one from the device,
+    // builds the other on its held copy and holds both; the next write into it is held
+    // on a core.
     put(&mut a, &mut model, 3 * BLOCK_SIZE - 10, &pattern(4, 20));
-    assert_eq!((held(&a) - h0, written(&a)), (2, 1));
+    assert_eq!((held(&a) - h0, written(&a)), (3, 0));
     put(&mut a, &mut model, 3 * BLOCK_SIZE + 500, &pattern(5, 20));
-    assert_eq!(held(&a) - h0, 3);
+    assert_eq!(held(&a) - h0, 4);
     // This node's read writes them out first and sees them.
     same(&a.read(ino, fh, 0, model.len() as u32), &model);
     assert_eq!(written(&a), 2);
@@ -3424,6 +3428,96 @@ fn small_overwrites_are_held_and_every_reader_and_writer_sees_them() {
     let mut c = second_mount(&a);
     let cfh = c.open(ino);
     same(&c.read(ino, cfh, 0, on_device.len() as u32), &on_device);
+}
+
+/// A journal's small appends are held as small overwrites are (each waited for the device
+/// before), their blocks allocated as pending writes: nothing reaches the device or etcd
+/// until the fsync, which writes the blocks before the extents that point at them, and
+/// another node then reads them. Held appends that never reach the device (the session
+/// ends) take their pending extents with them: etcd never points at blocks the file did
+/// not write, whatever the device had there.
+#[test]
+fn a_journals_small_appends_are_held_until_the_fsync() {
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"journal");
+    let mut model: Vec<u8> = Vec::new();
+    let append = |fx: &mut Fx, model: &mut Vec<u8>, len: usize, seed: u8| {
+        let data = pattern(seed, len);
+        fx.write(ino, fh, model.len() as u64, &data);
+        model.extend_from_slice(&data);
+    };
+    let lens = [512, 4, 4096, 4, 4, 4096, 4];
+    let (h0, w0) = (
+        counter(&a, "writes_held"),
+        counter(&a, "device_writes_waiter"),
+    );
+    for (i, len) in lens.into_iter().enumerate() {
+        append(&mut a, &mut model, len, i as u8);
+    }
+    assert_eq!(counter(&a, "writes_held") - h0, lens.len() as u64);
+    assert_eq!(
+        counter(&a, "device_writes_waiter"),
+        w0,
+        "an append reached the device"
+    );
+    assert!(fx_extents(&a, ino).is_empty(), "an extent reached etcd");
+    a.fsync(ino, fh);
+    assert!(counter(&a, "held_blocks_written") > 0);
+    let committed = fx_extents(&a, ino);
+    assert!(!committed.is_empty());
+    same(&a.read(ino, fh, 0, model.len() as u32 + 10), &model);
+    let mut b = second_mount(&a);
+    let bfh = b.open(ino);
+    same(&b.read(ino, bfh, 0, model.len() as u32 + 10), &model);
+    b.release(ino, bfh);
+
+    // Appends into new blocks that never reach the device, here for a failed write: their
+    // extents never reach etcd, at this fsync or any commit after it.
+    let synced = model.len() as u64;
+    append(&mut a, &mut model, 4096, 30);
+    append(&mut a, &mut model, 4, 31);
+    a.dev.set_faults(MemFaults {
+        fail_writes: 1,
+        ..MemFaults::default()
+    });
+    let e = a.err(
+        ino,
+        Operation::Fsync {
+            fh,
+            datasync: false,
+        },
+    );
+    assert_eq!(e, Errno::EIO);
+    a.fsync(ino, fh);
+    assert_eq!(
+        fx_extents(&a, ino),
+        committed,
+        "extents of lost blocks reached etcd"
+    );
+    assert_eq!(a.fs.inner().get_attr(ino).unwrap().size, synced);
+    model.truncate(synced as usize);
+    same(&a.read(ino, fh, 0, model.len() as u32 + 10), &model);
+
+    // And when the session ends first.
+    append(&mut a, &mut model, 4096, 20);
+    append(&mut a, &mut model, 4, 21);
+    drop(super::lock(&a.fs.inner().session).take());
+    let e = a.err(
+        ino,
+        Operation::Fsync {
+            fh,
+            datasync: false,
+        },
+    );
+    assert_eq!(e, Errno::EIO);
+    assert!(counter(&a, "held_blocks_lost") > 0);
+    assert_eq!(
+        fx_extents(&a, ino),
+        committed,
+        "extents of lost blocks reached etcd"
+    );
+    let c = second_mount(&a);
+    assert_eq!(c.fs.inner().get_attr(ino).unwrap().size, synced);
 }
 
 /// A file's commits plan from what the last one (or the open) left: a created file's
@@ -3529,6 +3623,170 @@ fn fsync_of_a_file_leaves_the_directory_timestamps_to_the_coalescer() {
     assert!(
         written(&a) > w0,
         "the directory's fsync writes its timestamps"
+    );
+}
+
+/// fdatasync of a directory makes its entries durable and leaves its timestamps to the
+/// coalescer (a data sync owes what reading the data back needs): SQLite fdatasyncs its
+/// directory after creating each rollback journal, and each paid an etcd round trip for
+/// the directory's mtime. fsync of the directory still writes them.
+#[test]
+fn fdatasync_of_a_directory_leaves_its_timestamps_to_the_coalescer() {
+    let mut a = Fx::new();
+    let written = |fx: &Fx| counter(fx, "dir_times_written");
+    let d = a.mkdir(ROOT, b"d");
+    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let sync = |datasync| Operation::Fsyncdir { fh: 0, datasync };
+    let w0 = written(&a);
+    for i in 0..5u8 {
+        let name = format!("f{i}");
+        let (ino, fh) = a.create(d, name.as_bytes());
+        a.ok(d, sync(true));
+        let key = meta::keys::Keyspace::new("t")
+            .unwrap()
+            .dentry(meta::types::Ino(d), name.as_bytes());
+        let end = [key.as_slice(), &[0]].concat();
+        assert_eq!(a.kv.dump(&key, &end).len(), 1, "{name} not in etcd");
+        a.release(ino, fh);
+    }
+    // The coalescer may have written once on its own interval meanwhile, not per sync.
+    let w1 = written(&a);
+    assert!(w1 - w0 <= 1, "{} directory writes", w1 - w0);
+    let (ino, fh) = a.create(d, b"last");
+    a.release(ino, fh);
+    a.ok(d, sync(false));
+    assert!(
+        written(&a) > w1,
+        "the directory's fsync writes its timestamps"
+    );
+    let shown = a.getattr(d).attr;
+    let stored = a.fs.inner().get_attr(d).unwrap();
+    assert_eq!(
+        (shown.mtime, shown.mtimensec),
+        (stored.mtime.sec as u64, stored.mtime.nsec)
+    );
+}
+
+/// ctime as an attribute reply shows it.
+fn ctime_of(a: &AttrOut) -> (u64, u32) {
+    (a.attr.ctime, a.attr.ctimensec)
+}
+
+/// A chown of a file open here to the owner it has commits nothing on its own (SQLite
+/// gives each rollback journal it creates as root its database's owner, an etcd round
+/// trip per transaction): the new ctime shows at once and the file's next commit, here an
+/// append's fdatasync, writes it. A chown that changes the owner, or one of a file with a
+/// set-id bit, commits at once.
+#[test]
+fn a_chown_to_the_same_owner_is_written_with_the_files_next_commit() {
+    let mut a = Fx::new();
+    caches_live(&a);
+    let txns = |fx: &Fx| counter(fx, "etcd_txns_committed");
+    let stored_ctime = |fx: &Fx, ino| {
+        let c = fx.fs.inner().get_attr(ino).unwrap().ctime;
+        (c.sec as u64, c.nsec)
+    };
+    let chown = |uid: u32| {
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_UID | FATTR_GID,
+            uid,
+            gid: 100,
+            ..SetattrIn::default()
+        })
+    };
+    let (ino, fh) = a.create(ROOT, b"journal");
+    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let before = a.getattr(ino);
+    // Past a tick of the coarse clock the held ctime is taken from.
+    std::thread::sleep(Duration::from_millis(20));
+    let t0 = txns(&a);
+    let shown: AttrOut = parse(&a.ok(ino, chown(1000)));
+    assert_eq!(txns(&a), t0, "the chown committed on its own");
+    assert!(ctime_of(&shown) > ctime_of(&before), "ctime did not move");
+    assert_eq!(ctime_of(&a.getattr(ino)), ctime_of(&shown));
+    assert!(stored_ctime(&a, ino) < ctime_of(&shown));
+    a.write(ino, fh, 0, &pattern(3, 5000));
+    a.fdatasync(ino, fh);
+    assert!(
+        stored_ctime(&a, ino) >= ctime_of(&shown),
+        "the commit left it out"
+    );
+    assert!(
+        !a.fs.inner().files.has_dirty_state(ino),
+        "the close would write it again"
+    );
+    // Another owner, or a set-id bit to clear: committed at once.
+    let t1 = txns(&a);
+    a.ok(ino, chown(1001));
+    assert!(txns(&a) > t1, "a change of owner was held");
+    let (ino2, fh2) = a.create(ROOT, b"setgid");
+    a.ok(
+        ino2,
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_MODE,
+            mode: 0o2755,
+            ..SetattrIn::default()
+        }),
+    );
+    let t2 = txns(&a);
+    a.ok(ino2, chown(1000));
+    assert!(txns(&a) > t2, "a chown that may clear set-id bits was held");
+    a.release(ino2, fh2);
+    a.release(ino, fh);
+}
+
+/// A held ctime is written before another node sees the file: at the hand-over of its
+/// lock, as an overwrite's mtime is.
+#[test]
+fn another_node_sees_a_held_ctime() {
+    let mut a = Fx::new();
+    caches_live(&a);
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let mut b = second_mount(&a);
+    caches_live(&b);
+    let _ = b.getattr(ino);
+    std::thread::sleep(Duration::from_millis(20));
+    let shown: AttrOut = parse(&a.ok(
+        ino,
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_UID,
+            uid: 1000,
+            ..SetattrIn::default()
+        }),
+    ));
+    let fb = b.open(ino);
+    // Written as the commit's time, as a held mtime's ctime is.
+    assert!(
+        ctime_of(&b.getattr(ino)) >= ctime_of(&shown),
+        "the hand-over left it out"
+    );
+    b.release(ino, fb);
+    a.release(ino, fh);
+}
+
+/// A held ctime with nothing else to commit is written at the close.
+#[test]
+fn a_held_ctime_is_written_at_the_close() {
+    let mut a = Fx::new();
+    caches_live(&a);
+    let (ino, fh) = a.create(ROOT, b"f");
+    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let shown: AttrOut = parse(&a.ok(
+        ino,
+        Operation::Setattr(SetattrIn {
+            valid: FATTR_UID,
+            uid: 1000,
+            ..SetattrIn::default()
+        }),
+    ));
+    a.ok(ino, Operation::Flush { fh, lock_owner: 0 });
+    a.release(ino, fh);
+    let c = a.fs.inner().get_attr(ino).unwrap().ctime;
+    assert!(
+        (c.sec as u64, c.nsec) >= ctime_of(&shown),
+        "the close left it out"
     );
 }
 

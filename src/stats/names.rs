@@ -263,7 +263,8 @@ pub(crate) const DESCS: &[Desc] = &[
         "writes_held",
         "etcfs_writes_held",
         &[],
-        "Small buffered overwrites answered before reaching the device, their blocks held \
+        "Small buffered writes (overwrites, and appends whose allocation is pending) answered \
+         before reaching the device, their blocks held \
          until written out (fsync, close, about a second, a READ, the lock's hand-over).",
     ),
     counter(

@@ -49,6 +49,8 @@ pub(crate) enum Request {
     },
     Flush {
         dir: Option<Ino>,
+        /// Whether the barrier writes the coalesced timestamps (of `dir`, or all) too.
+        timestamps: bool,
         /// The directory's attributes exactly as the submitter's caches hold them: its
         /// timestamp write plans from them instead of reading (see `Mutation::Touch`).
         expect: Option<Box<InodeAttr>>,
@@ -225,6 +227,7 @@ struct Barrier {
     limit: u64,
     extra: Vec<u64>,
     dir: Option<Ino>,
+    timestamps: bool,
     /// What the submitter expects `dir`'s inode to hold.
     expect: Option<Box<InodeAttr>>,
     done: Option<Completer<()>>,
@@ -407,12 +410,18 @@ impl Committer {
                 Ok(Request::Mutate { m, session, done }) => {
                     self.add_work(m, Some(session), Some(done));
                 }
-                Ok(Request::Flush { dir, expect, done }) => {
+                Ok(Request::Flush {
+                    dir,
+                    timestamps,
+                    expect,
+                    done,
+                }) => {
                     let limit = self.next_id;
                     let mut b = Barrier {
                         limit,
                         extra: Vec::new(),
                         dir,
+                        timestamps,
                         expect,
                         done: Some(done),
                     };
@@ -421,7 +430,7 @@ impl Committer {
                         .touches
                         .keys()
                         .copied()
-                        .filter(|i| dir.is_none_or(|d| d == *i))
+                        .filter(|i| timestamps && dir.is_none_or(|d| d == *i))
                         .collect();
                     for ino in due {
                         if let Some(id) = self.emit_touch(ino, b.expect.clone()) {
@@ -507,6 +516,7 @@ impl Committer {
         while i < self.barriers.len() {
             let Some(b) = self.barriers.get(i) else { break };
             let (limit, dir, expect) = (b.limit, b.dir, b.expect.clone());
+            let timestamps = b.timestamps;
             let earlier_pending = self.works.range(..limit).next().is_some();
             if earlier_pending {
                 i += 1;
@@ -516,7 +526,7 @@ impl Committer {
             let owed: Vec<Ino> = self
                 .touches
                 .iter()
-                .filter(|(ino, e)| e.min_id < limit && dir.is_none_or(|d| d == **ino))
+                .filter(|(ino, e)| timestamps && e.min_id < limit && dir.is_none_or(|d| d == **ino))
                 .map(|(&ino, _)| ino)
                 .collect();
             let mut new_ids = Vec::new();

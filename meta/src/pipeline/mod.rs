@@ -736,7 +736,32 @@ impl MetaClient {
     ) -> Result<Ticket<()>, MetaError> {
         let (t, done) = ticket();
         let expect = expect.map(Box::new);
-        self.send(Request::Flush { dir, expect, done }, true)?;
+        let timestamps = true;
+        self.send(
+            Request::Flush {
+                dir,
+                timestamps,
+                expect,
+                done,
+            },
+            true,
+        )?;
+        Ok(t)
+    }
+
+    /// A flush barrier that writes no coalesced timestamps: completes when every mutation
+    /// submitted before it has completed. For fdatasync of a directory, whose data are its
+    /// entries (which those mutations write) and whose timestamps a data sync need not
+    /// make durable.
+    pub fn flush_mutations(&self) -> Result<Ticket<()>, MetaError> {
+        let (t, done) = ticket();
+        let request = Request::Flush {
+            dir: None,
+            timestamps: false,
+            expect: None,
+            done,
+        };
+        self.send(request, true)?;
         Ok(t)
     }
 

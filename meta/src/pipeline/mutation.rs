@@ -98,6 +98,9 @@ pub struct SetAttr {
     /// `atime` is a read's access time (relatime): it only moves forward, and on its own
     /// it leaves ctime alone, as a read does on ext4.
     pub access: bool,
+    /// Marks the status change (ctime) whatever else changes: for a change held by the
+    /// node before its commit that moved nothing else (a chown to the owner the file has).
+    pub ctime: bool,
     /// Commit only if the inode is unchanged since this revision, else fail with
     /// [`MetaError::Changed`](crate::error::MetaError::Changed): for a change computed
     /// from attributes read at that revision without the file's lock held across the

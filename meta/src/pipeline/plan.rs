@@ -1367,6 +1367,7 @@ fn plan_setattr(p: &mut P<'_>, ino: Ino, set: &crate::pipeline::mutation::SetAtt
         a.mtime = time(t, now)?;
     }
     let access_only = set.access
+        && !set.ctime
         && set.perm.is_none()
         && !set.kill_suidgid
         && set.uid.is_none()

@@ -648,6 +648,31 @@ async fn a_setattr_unchanged_since_a_revision_is_refused_after_a_later_change() 
     assert_eq!(o.attr.unwrap().mtime, Timespec::new(40, 0));
 }
 
+/// A read's access time leaves ctime alone, as on ext4; the same commit marked `ctime`
+/// (a change the node held, such as a chown to the owner the file has) moves it.
+#[tokio::test]
+async fn an_access_time_commit_moves_ctime_only_when_marked() {
+    let mut w = World::new().await;
+    let f = w.create(Ino::ROOT, "f", FileType::Regular).await;
+    let mut a = w.inode(f).await.unwrap();
+    let old = Timespec::new(1_000, 0);
+    a.ctime = old;
+    w.kv.put_raw(&w.keys.inode(f), &a.encode());
+    let access = |ctime: bool| Mutation::SetAttr {
+        ino: f,
+        set: SetAttr {
+            atime: Some(TimeSet::At(Timespec::new(1_800_000_000, 0))),
+            access: true,
+            ctime,
+            ..Default::default()
+        },
+    };
+    let o = w.run(access(false)).await.unwrap().attr.unwrap();
+    assert_eq!((o.atime, o.ctime), (Timespec::new(1_800_000_000, 0), old));
+    let o = w.run(access(true)).await.unwrap().attr.unwrap();
+    assert_eq!(o.ctime, NOW);
+}
+
 #[tokio::test]
 async fn setattr_and_truncate() {
     let mut w = World::new().await;
