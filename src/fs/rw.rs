@@ -318,7 +318,10 @@ impl Inner {
                 // device (so what is held goes there first).
                 if let Some(dev_off) = b.old_dev_off {
                     if std::mem::take(&mut hold) {
-                        self.write_held_locked(&st, &mut f)?;
+                        if let Err(e) = self.write_held_locked(&st, &mut f) {
+                            self.unalloc(&allocated);
+                            return Err(e);
+                        }
                     }
                     f.recent.forget(b.file_off, BLOCK_SIZE);
                     let mut blk = AlignedBuf::new(BLOCK_SIZE as usize);

@@ -3520,6 +3520,34 @@ fn a_journals_small_appends_are_held_until_the_fsync() {
     assert_eq!(c.fs.inner().get_attr(ino).unwrap().size, synced);
 }
 
+/// A write past EOF whose old EOF block is held writes it out first (that block's tail is
+/// zeroed on the device). When the write-out fails, the blocks allocated for the write go
+/// back to the allocator, as the pending ones do: nothing leaks.
+#[test]
+fn a_failed_write_out_before_a_write_past_eof_leaks_no_blocks() {
+    let mut a = Fx::new();
+    let (ino, fh) = a.create(ROOT, b"sparse");
+    let free0 = a.statfs().bfree;
+    a.write(ino, fh, 0, &pattern(1, 100));
+    a.dev.set_faults(MemFaults {
+        fail_writes: 1,
+        ..MemFaults::default()
+    });
+    let e = a.err(
+        ino,
+        Operation::Write {
+            fh,
+            offset: 3 * BLOCK_SIZE + 100,
+            data: &pattern(2, 10),
+            write_flags: 0,
+            flags: 0,
+        },
+    );
+    assert_eq!(e, Errno::EIO);
+    assert_eq!(a.statfs().bfree, free0, "blocks leaked");
+    a.release(ino, fh);
+}
+
 /// A file's commits plan from what the last one (or the open) left: a created file's
 /// first fsync and each append's fdatasync read nothing from etcd. A truncate or another
 /// node's turn makes the record stale: the next commit reads, never fails a compare on it,
