@@ -198,8 +198,8 @@ pub(crate) const HELD_BLOCKS_MAX: usize = 64;
 const HELD_BLOCKS_TOTAL_MAX: usize = 8192;
 static HELD_BLOCKS_TOTAL: AtomicUsize = AtomicUsize::new(0);
 
-/// Small buffered writes answered before they reach the device: the whole blocks as the writes left them, each with the device offset it
-/// belongs at. A local filesystem's page cache takes such a write in microseconds; here
+/// Small buffered writes answered before they reach the device: the whole blocks as the
+/// writes left them, each with the device offset it belongs at. A local filesystem's page cache takes such a write in microseconds; here
 /// each was a device write (80 µs) until it was held. They are written out, in one batch,
 /// before anything else of this node reads or writes the file's blocks, commits its
 /// pending writes (fsync, close, the age bound, the lock's hand-over to another node), or

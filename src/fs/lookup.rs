@@ -67,6 +67,17 @@ impl Inner {
         self.files_blocks(&[a]).pop().unwrap_or(Ok(None))
     }
 
+    /// `attr` as the kernel must see it, with its blocks: the open state's when the file is
+    /// open here (writes pending, times held; its size is never smaller).
+    pub(super) fn shown_attr(&self, attr: InodeAttr) -> Result<(InodeAttr, Option<u64>), Errno> {
+        let (attr, blocks) = self.files.cached_attr(attr.ino.0).unwrap_or((attr, None));
+        let blocks = match blocks {
+            Some(b) => Some(b),
+            None => self.file_blocks(&attr)?,
+        };
+        Ok((attr, blocks))
+    }
+
     /// [`Inner::file_blocks`] of several inodes (a READDIRPLUS page), their extents read
     /// from etcd concurrently, at most [`BLOCK_READS_IN_FLIGHT`] at once.
     pub(super) fn files_blocks(&self, attrs: &[&InodeAttr]) -> Vec<Result<Option<u64>, Errno>> {

@@ -169,11 +169,7 @@ impl Inner {
             name: name.to_vec(),
         })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
-        let (attr, blocks) = self.files.cached_attr(ino).unwrap_or((attr, None));
-        let blocks = match blocks {
-            Some(b) => Some(b),
-            None => self.file_blocks(&attr)?,
-        };
+        let (attr, blocks) = self.shown_attr(attr)?;
         Ok(done_bytes(&self.entry_out(&attr, blocks)))
     }
 
@@ -255,11 +251,7 @@ impl Inner {
         };
         // The file may exist already (another creator won, or O_CREAT without O_EXCL),
         // with blocks of its own.
-        let (attr, blocks) = self.files.cached_attr(attr.ino.0).unwrap_or((attr, None));
-        let blocks = match blocks {
-            Some(b) => Some(b),
-            None => self.file_blocks(&attr)?,
-        };
+        let (attr, blocks) = self.shown_attr(attr)?;
         let mut b = vec![0u8; size_of::<EntryOut>() + size_of::<OpenOut>()];
         let entry = self.entry_out(&attr, blocks);
         drop(held);

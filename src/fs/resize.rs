@@ -7,8 +7,9 @@ use super::*;
 
 impl Inner {
     pub(super) fn setattr(&self, ino: u64, a: &SetattrIn) -> Result<Done, Errno> {
-        if let Some(done) = self.hold_chown_to_same_owner(ino, a) {
-            return Ok(done);
+        if let Some(attr) = self.hold_chown_to_same_owner(ino, a) {
+            let (attr, blocks) = self.shown_attr(attr)?;
+            return Ok(done_bytes(&self.attr_out(&attr, blocks)));
         }
         // Pending writes commit first: their commit sets the size and mtime, which must
         // come before this change (an explicit mtime after a copy's writes, a truncate).
@@ -65,12 +66,7 @@ impl Inner {
         set.expect = self.caches.attr(ino).map(Box::new);
         let out = self.commit(Mutation::SetAttr { ino: Ino(ino), set })?;
         let attr = out.attr.ok_or(Errno::EIO)?;
-        // An open file's state holds writes pending since (its size is never smaller).
-        let (attr, blocks) = self.files.cached_attr(ino).unwrap_or((attr, None));
-        let blocks = match blocks {
-            Some(b) => Some(b),
-            None => self.file_blocks(&attr)?,
-        };
+        let (attr, blocks) = self.shown_attr(attr)?;
         Ok(done_bytes(&self.attr_out(&attr, blocks)))
     }
 
@@ -79,8 +75,8 @@ impl Inner {
     /// lock (the caller's), and written with the file's next commit or at the moments an
     /// mtime is (FLUSH, fsync, the lock's hand-over). SQLite gives each journal it creates
     /// as root its database's owner, and that chown cost an etcd round trip per
-    /// transaction. `None`: the setattr commits as usual.
-    fn hold_chown_to_same_owner(&self, ino: u64, a: &SetattrIn) -> Option<Done> {
+    /// transaction. The file's attributes then; `None`: the setattr commits as usual.
+    fn hold_chown_to_same_owner(&self, ino: u64, a: &SetattrIn) -> Option<InodeAttr> {
         let owner = abi::FATTR_UID | abi::FATTR_GID;
         let harmless = owner | abi::FATTR_FH | abi::FATTR_LOCKOWNER | abi::FATTR_KILL_SUIDGID;
         if a.valid & owner == 0 || a.valid & !harmless != 0 {
@@ -91,17 +87,11 @@ impl Inner {
         let same = (a.valid & abi::FATTR_UID == 0 || a.uid == f.attr.uid)
             && (a.valid & abi::FATTR_GID == 0 || a.gid == f.attr.gid);
         // attr_rev 0: the attributes are to be read again, so not known to be the owner's.
-        if !same || f.attr_rev == 0 || f.attr.perm & 0o6000 != 0 {
+        if !same || f.attr_rev == 0 || killed_perm(f.attr.perm) != f.attr.perm {
             return None;
         }
         f.touch_ctime();
-        drop(f);
-        let (attr, blocks) = self.files.cached_attr(ino)?;
-        let blocks = match blocks {
-            Some(b) => Some(b),
-            None => self.file_blocks(&attr).ok()?,
-        };
-        Some(done_bytes(&self.attr_out(&attr, blocks)))
+        Some(f.attr.clone())
     }
 
     /// Sets a regular file's size. Shrinking zeroes the rest of the new EOF block on the

@@ -228,11 +228,8 @@ impl Inner {
         if !hold {
             self.write_held_locked(&st, &mut f)?;
         }
-        let fast = match hold {
-            true => None,
-            false => plan_overwrite(&st, &mut f, off, data.len(), kill_suid, -1),
-        };
-        if let Some((segments, _io)) = fast {
+        let fast = (!hold).then(|| plan_overwrite(&st, &mut f, off, data.len(), kill_suid, -1));
+        if let Some((segments, _io)) = fast.flatten() {
             // What a core's fast path serves, here because that path found the lock busy:
             // planned under the lock and written outside it with the file's I/O count
             // raised, as on a core. Holding the lock through the device write (and waiting
@@ -416,10 +413,7 @@ impl Inner {
         }
         // What the device holds in this range is unknown until every write below succeeded.
         f.recent.forget(plan.block_off, plan.block_len);
-        let held = match hold {
-            true => hold_blocks(&mut f, plan.block_off, &buf, &new_map),
-            false => false,
-        };
+        let held = hold && hold_blocks(&mut f, plan.block_off, &buf, &new_map);
         if hold && !held {
             // No room to hold: the device must have what is held before this is written.
             if let Err(e) = self.write_held_locked(&st, &mut f) {
@@ -433,8 +427,9 @@ impl Inner {
                 .fetch_add(1, Ordering::Relaxed);
             self.files.mark_dirty(ino);
         }
+        let to_device: &[FileExtent] = if held { &[] } else { &new_map };
         let mut reqs_res = Ok(());
-        for e in new_map.iter().filter(|_| !held) {
+        for e in to_device {
             let at = (e.file_off - plan.block_off) as usize;
             // Whole blocks at block-aligned offsets, from an aligned buffer slice: write
             // through a bounce only when the piece does not start the buffer.
@@ -456,12 +451,8 @@ impl Inner {
         }
         if !plan.rmw.is_empty() && !held {
             // Dropped again below if the map does not take the new blocks.
-            f.recent.put_edges(plan.block_off, &buf, |block| {
-                new_map
-                    .iter()
-                    .find(|e| e.file_off <= block && block < e.file_off + e.len)
-                    .map(|e| e.dev_off + (block - e.file_off))
-            });
+            f.recent
+                .put_edges(plan.block_off, &buf, |block| written_block(&new_map, block));
         }
         if !needs_commit {
             // An overwrite of written blocks inside EOF: no metadata changes but mtime,
@@ -918,17 +909,12 @@ pub(crate) struct WriteMode {
 }
 
 /// Holds the blocks of a write's image `buf` (starting at file offset `block_off`, placed
-/// by `map`) instead of writing them: true when every block is held, false (holding
-/// nothing) when the bounds of [`files::HeldBlocks::reserve`] leave no room.
+/// by `map`, all written space) instead of writing them: true when every block is held,
+/// false (holding nothing) when the bounds of [`files::HeldBlocks::reserve`] leave no room.
 fn hold_blocks(f: &mut files::FileInner, block_off: u64, buf: &[u8], map: &[FileExtent]) -> bool {
-    let dev_of = |block: u64| {
-        map.iter()
-            .find(|e| e.file_off <= block && block < e.file_off + e.len)
-            .map(|e| e.dev_off + (block - e.file_off))
-    };
     let blocks: Option<Vec<(u64, u64)>> = (block_off..block_off + buf.len() as u64)
         .step_by(BLOCK_SIZE as usize)
-        .map(|block| dev_of(block).map(|d| (block, d)))
+        .map(|block| written_block(map, block).map(|d| (block, d)))
         .collect();
     let Some(blocks) = blocks else {
         return false;

@@ -3700,6 +3700,32 @@ fn ctime_of(a: &AttrOut) -> (u64, u32) {
     (a.attr.ctime, a.attr.ctimensec)
 }
 
+/// ctime as etcd holds it.
+fn stored_ctime(fx: &Fx, ino: u64) -> (u64, u32) {
+    let c = fx.fs.inner().get_attr(ino).unwrap().ctime;
+    (c.sec as u64, c.nsec)
+}
+
+/// A file created and open, its create committed, and a tick of the coarse clock (which
+/// a held ctime is taken from) gone since.
+fn created_a_tick_ago(fx: &mut Fx, name: &[u8]) -> (u64, u64) {
+    let (ino, fh) = fx.create(ROOT, name);
+    fx.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    (ino, fh)
+}
+
+/// chown of `ino` to `uid` and the tests' group; the attributes it answered.
+fn chown(fx: &mut Fx, ino: u64, uid: u32) -> AttrOut {
+    let op = Operation::Setattr(SetattrIn {
+        valid: FATTR_UID | FATTR_GID,
+        uid,
+        gid: 100,
+        ..SetattrIn::default()
+    });
+    parse(&fx.ok(ino, op))
+}
+
 /// A chown of a file open here to the owner it has commits nothing on its own (SQLite
 /// gives each rollback journal it creates as root its database's owner, an etcd round
 /// trip per transaction): the new ctime shows at once and the file's next commit, here an
@@ -3710,25 +3736,10 @@ fn a_chown_to_the_same_owner_is_written_with_the_files_next_commit() {
     let mut a = Fx::new();
     caches_live(&a);
     let txns = |fx: &Fx| counter(fx, "etcd_txns_committed");
-    let stored_ctime = |fx: &Fx, ino| {
-        let c = fx.fs.inner().get_attr(ino).unwrap().ctime;
-        (c.sec as u64, c.nsec)
-    };
-    let chown = |uid: u32| {
-        Operation::Setattr(SetattrIn {
-            valid: FATTR_UID | FATTR_GID,
-            uid,
-            gid: 100,
-            ..SetattrIn::default()
-        })
-    };
-    let (ino, fh) = a.create(ROOT, b"journal");
-    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let (ino, fh) = created_a_tick_ago(&mut a, b"journal");
     let before = a.getattr(ino);
-    // Past a tick of the coarse clock the held ctime is taken from.
-    std::thread::sleep(Duration::from_millis(20));
     let t0 = txns(&a);
-    let shown: AttrOut = parse(&a.ok(ino, chown(1000)));
+    let shown = chown(&mut a, ino, 1000);
     assert_eq!(txns(&a), t0, "the chown committed on its own");
     assert!(ctime_of(&shown) > ctime_of(&before), "ctime did not move");
     assert_eq!(ctime_of(&a.getattr(ino)), ctime_of(&shown));
@@ -3745,7 +3756,7 @@ fn a_chown_to_the_same_owner_is_written_with_the_files_next_commit() {
     );
     // Another owner, or a set-id bit to clear: committed at once.
     let t1 = txns(&a);
-    a.ok(ino, chown(1001));
+    chown(&mut a, ino, 1001);
     assert!(txns(&a) > t1, "a change of owner was held");
     let (ino2, fh2) = a.create(ROOT, b"setgid");
     a.ok(
@@ -3757,7 +3768,7 @@ fn a_chown_to_the_same_owner_is_written_with_the_files_next_commit() {
         }),
     );
     let t2 = txns(&a);
-    a.ok(ino2, chown(1000));
+    chown(&mut a, ino2, 1000);
     assert!(txns(&a) > t2, "a chown that may clear set-id bits was held");
     a.release(ino2, fh2);
     a.release(ino, fh);
@@ -3769,20 +3780,11 @@ fn a_chown_to_the_same_owner_is_written_with_the_files_next_commit() {
 fn another_node_sees_a_held_ctime() {
     let mut a = Fx::new();
     caches_live(&a);
-    let (ino, fh) = a.create(ROOT, b"f");
-    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
+    let (ino, fh) = created_a_tick_ago(&mut a, b"f");
     let mut b = second_mount(&a);
     caches_live(&b);
     let _ = b.getattr(ino);
-    std::thread::sleep(Duration::from_millis(20));
-    let shown: AttrOut = parse(&a.ok(
-        ino,
-        Operation::Setattr(SetattrIn {
-            valid: FATTR_UID,
-            uid: 1000,
-            ..SetattrIn::default()
-        }),
-    ));
+    let shown = chown(&mut a, ino, 1000);
     let fb = b.open(ino);
     // Written as the commit's time, as a held mtime's ctime is.
     assert!(
@@ -3798,22 +3800,12 @@ fn another_node_sees_a_held_ctime() {
 fn a_held_ctime_is_written_at_the_close() {
     let mut a = Fx::new();
     caches_live(&a);
-    let (ino, fh) = a.create(ROOT, b"f");
-    a.fs.inner().meta.flush(None).unwrap().wait().unwrap();
-    std::thread::sleep(Duration::from_millis(20));
-    let shown: AttrOut = parse(&a.ok(
-        ino,
-        Operation::Setattr(SetattrIn {
-            valid: FATTR_UID,
-            uid: 1000,
-            ..SetattrIn::default()
-        }),
-    ));
+    let (ino, fh) = created_a_tick_ago(&mut a, b"f");
+    let shown = chown(&mut a, ino, 1000);
     a.ok(ino, Operation::Flush { fh, lock_owner: 0 });
     a.release(ino, fh);
-    let c = a.fs.inner().get_attr(ino).unwrap().ctime;
     assert!(
-        (c.sec as u64, c.nsec) >= ctime_of(&shown),
+        stored_ctime(&a, ino) >= ctime_of(&shown),
         "the close left it out"
     );
 }

@@ -48,14 +48,33 @@ pub(crate) enum Request {
         done: Completer<Outcome>,
     },
     Flush {
-        dir: Option<Ino>,
-        /// Whether the barrier writes the coalesced timestamps (of `dir`, or all) too.
-        timestamps: bool,
+        stamps: Stamps,
         /// The directory's attributes exactly as the submitter's caches hold them: its
         /// timestamp write plans from them instead of reading (see `Mutation::Touch`).
         expect: Option<Box<InodeAttr>>,
         done: Completer<()>,
     },
+}
+
+/// The coalesced timestamps a flush barrier writes besides waiting for the mutations
+/// before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stamps {
+    All,
+    /// Those of one directory (its fsync).
+    Of(Ino),
+    /// None (fdatasync of a directory).
+    None,
+}
+
+impl Stamps {
+    fn cover(self, ino: Ino) -> bool {
+        match self {
+            Stamps::All => true,
+            Stamps::Of(d) => d == ino,
+            Stamps::None => false,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,9 +245,8 @@ struct TouchEntry {
 struct Barrier {
     limit: u64,
     extra: Vec<u64>,
-    dir: Option<Ino>,
-    timestamps: bool,
-    /// What the submitter expects `dir`'s inode to hold.
+    stamps: Stamps,
+    /// What the submitter expects the directory of `Stamps::Of` to hold.
     expect: Option<Box<InodeAttr>>,
     done: Option<Completer<()>>,
 }
@@ -411,8 +429,7 @@ impl Committer {
                     self.add_work(m, Some(session), Some(done));
                 }
                 Ok(Request::Flush {
-                    dir,
-                    timestamps,
+                    stamps,
                     expect,
                     done,
                 }) => {
@@ -420,8 +437,7 @@ impl Committer {
                     let mut b = Barrier {
                         limit,
                         extra: Vec::new(),
-                        dir,
-                        timestamps,
+                        stamps,
                         expect,
                         done: Some(done),
                     };
@@ -430,7 +446,7 @@ impl Committer {
                         .touches
                         .keys()
                         .copied()
-                        .filter(|i| timestamps && dir.is_none_or(|d| d == *i))
+                        .filter(|&i| stamps.cover(i))
                         .collect();
                     for ino in due {
                         if let Some(id) = self.emit_touch(ino, b.expect.clone()) {
@@ -515,8 +531,7 @@ impl Committer {
         let mut i = 0;
         while i < self.barriers.len() {
             let Some(b) = self.barriers.get(i) else { break };
-            let (limit, dir, expect) = (b.limit, b.dir, b.expect.clone());
-            let timestamps = b.timestamps;
+            let (limit, stamps, expect) = (b.limit, b.stamps, b.expect.clone());
             let earlier_pending = self.works.range(..limit).next().is_some();
             if earlier_pending {
                 i += 1;
@@ -526,7 +541,7 @@ impl Committer {
             let owed: Vec<Ino> = self
                 .touches
                 .iter()
-                .filter(|(ino, e)| timestamps && e.min_id < limit && dir.is_none_or(|d| d == **ino))
+                .filter(|(&ino, e)| e.min_id < limit && stamps.cover(ino))
                 .map(|(&ino, _)| ino)
                 .collect();
             let mut new_ids = Vec::new();

@@ -23,7 +23,10 @@ use std::{
 use crossbeam_channel::{bounded, Sender, TrySendError};
 use tokio::sync::Notify;
 
-use self::{commit::Request, ticket::ticket};
+use self::{
+    commit::{Request, Stamps},
+    ticket::ticket,
+};
 pub use self::{
     mutation::{
         AclInherit, DevRange, ExtentsExpect, ExtentsKnown, GroupLayout, Mutation, NewInode,
@@ -735,17 +738,12 @@ impl MetaClient {
         expect: Option<InodeAttr>,
     ) -> Result<Ticket<()>, MetaError> {
         let (t, done) = ticket();
-        let expect = expect.map(Box::new);
-        let timestamps = true;
-        self.send(
-            Request::Flush {
-                dir,
-                timestamps,
-                expect,
-                done,
-            },
-            true,
-        )?;
+        let request = Request::Flush {
+            stamps: dir.map_or(Stamps::All, Stamps::Of),
+            expect: expect.map(Box::new),
+            done,
+        };
+        self.send(request, true)?;
         Ok(t)
     }
 
@@ -756,8 +754,7 @@ impl MetaClient {
     pub fn flush_mutations(&self) -> Result<Ticket<()>, MetaError> {
         let (t, done) = ticket();
         let request = Request::Flush {
-            dir: None,
-            timestamps: false,
+            stamps: Stamps::None,
             expect: None,
             done,
         };
