@@ -241,11 +241,12 @@ pub(crate) struct MountArgs {
     /// CPUs so that all queues' buffers stay within 256 MiB, but never fewer than 8.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub(crate) ring_entries_per_queue: Option<u32>,
-    /// Ring transport: a worker with more than this many requests in service passes some
-    /// of its CPU's queue entries to a less busy worker, so that one process issuing deep
-    /// I/O from one CPU is served by several; they come back when the load drops. The
-    /// pieces of writes larger than 512 KiB are spread over the workers at any load. 0 keeps
-    /// every request on the worker of the CPU that made it.
+    /// Ring transport: a worker with more than this many requests in service moves its
+    /// CPU's queue to a quiet worker (on another CPU), or passes single entries to a less
+    /// busy one when none is quiet, so that one process issuing deep I/O from one CPU does
+    /// not share that CPU with the worker serving it; the queue comes home after 5 ms
+    /// quiet. The pieces of writes larger than 512 KiB are spread over the workers at any
+    /// load. 0 keeps every request on the worker of the CPU that made it.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub(crate) ring_share_above: u32,
     /// How long (µs) a worker with device I/O in flight spins for the completion before

@@ -3312,10 +3312,11 @@ fn appends_then_truncate_punch_and_unlink_while_open() {
 }
 
 /// Deep I/O from one CPU is served by more than one worker: with `--ring-share-above 1`,
-/// the busy queue's entries pass to the other worker (the kernel then hands it requests
-/// made on the first CPU). Sixteen threads pinned to one CPU overwrite and read back their
-/// own blocks with O_DIRECT while that happens; every read, and the file after a remount,
-/// match a model.
+/// the busy queue moves to the other worker (the kernel then hands it requests made on the
+/// first CPU). Sixteen threads pinned to one CPU overwrite and read back their own blocks
+/// with O_DIRECT while that happens; every read, and the file after a remount, match a
+/// model. Once the threads stop, the queue comes home: one thread's synchronous reads from
+/// that CPU are served there again.
 #[test]
 fn deep_io_from_one_cpu_is_shared_between_workers() {
     const T: &str = "deep_io_from_one_cpu_is_shared_between_workers";
@@ -3364,6 +3365,43 @@ fn deep_io_from_one_cpu_is_shared_between_workers() {
         model.extend_from_slice(&block(b % THREADS, ROUNDS - 1, b));
     }
     assert_same_bytes("after the threads", &fs::read(&p).expect("read"), &model);
+    // Quiet again: the queue comes home after its quiet spell, so one thread's synchronous
+    // reads on the same CPU are served by that CPU's worker (the daemon runs one worker
+    // per allowed CPU, in order, so `cpu`'s is the first).
+    std::thread::sleep(Duration::from_millis(50));
+    let served = |m: &common::Daemon| -> Vec<u64> {
+        m.stats_json()["requests_per_core"]
+            .as_array()
+            .expect("requests_per_core")
+            .iter()
+            .map(|n| n.as_u64().unwrap_or(0))
+            .collect()
+    };
+    let before = served(&m);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            uring::cpu::pin_current_thread(cpu).expect("pin to one CPU");
+            let f = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&p)
+                .expect("open O_DIRECT");
+            let mut backing = vec![0u8; 2 * 4096];
+            let buf = block_aligned(&mut backing, 4096);
+            for b in 0..BLOCKS {
+                f.read_exact_at(buf, (b * 4096) as u64).expect("pread");
+                assert!(buf[..] == model[b * 4096..(b + 1) * 4096], "block {b}");
+            }
+        });
+    });
+    let after = served(&m);
+    let total: u64 = after.iter().sum::<u64>() - before.iter().sum::<u64>();
+    let at_home = after[0] - before[0];
+    assert!(
+        at_home * 10 >= total * 9,
+        "{at_home} of {total} quiet requests served on their own CPU's worker \
+         (per worker before {before:?}, after {after:?})"
+    );
     assert_counter_moved_then_remount(&fs, m, "ring_entries_passed", "deep", &model);
 }
 

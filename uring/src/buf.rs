@@ -133,6 +133,27 @@ impl Drop for Mapping {
     }
 }
 
+/// Keeps a [`HugeArena`]'s memory mapped, and says where its carving region lies.
+#[derive(Clone)]
+pub struct ArenaHold {
+    _map: Arc<Mapping>,
+    start: usize,
+    len: usize,
+}
+
+impl ArenaHold {
+    /// Start and length of the arena's carving region (see [`HugeArena::region`]).
+    pub fn region(&self) -> (*mut u8, usize) {
+        (self.start as *mut u8, self.len)
+    }
+}
+
+impl std::fmt::Debug for ArenaHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaHold").field("len", &self.len).finish()
+    }
+}
+
 /// A region of memory, backed by transparent huge pages when the kernel grants them, from
 /// which page-aligned [`AlignedBuf`]s are carved once and never returned individually.
 pub struct HugeArena {
@@ -214,6 +235,17 @@ impl HugeArena {
     pub fn region(&self) -> (*mut u8, usize) {
         // SAFETY: `start` lies inside the mapping (see `new`).
         (unsafe { self.map.base.as_ptr().add(self.start) }, self.cap)
+    }
+
+    /// A hold that keeps the arena mapped as long as it lives, for a ring that registers
+    /// the region without owning the arena (see [`crate::fixed`]).
+    pub fn hold(&self) -> ArenaHold {
+        let (start, len) = self.region();
+        ArenaHold {
+            _map: self.map.clone(),
+            start: start as usize,
+            len,
+        }
     }
 
     /// Bytes an arena needs to carve `count` buffers of `len` bytes each.

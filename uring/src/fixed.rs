@@ -7,7 +7,7 @@
 //! (`gup_fast_fallback` in a `perf record -a`, docs/benchmarks.md).
 //!
 //! [`Registered`] remembers what a ring registered and builds each operation's SQE from
-//! it: a fixed buffer when the transfer lies wholly inside the registered region, a fixed
+//! it: a fixed buffer when the transfer lies wholly inside a registered region, a fixed
 //! file when its descriptor was registered, the plain operation otherwise. So an operation
 //! on memory or a file the ring does not know still works, at the plain operation's cost.
 
@@ -17,14 +17,11 @@ use io_uring::{opcode, squeue, types};
 
 use crate::Ring;
 
-/// Buffer index of the one registered region.
-const REGION_INDEX: u16 = 0;
-
 /// What one ring registered.
 #[derive(Debug, Default, Clone)]
 pub struct Registered {
-    /// Start address and length of the registered buffer region.
-    region: Option<(usize, usize)>,
+    /// Registered regions as (start, length); the buffer index is the position.
+    regions: Vec<(usize, usize)>,
     /// Registered descriptors; the fixed file index is the position.
     files: Vec<RawFd>,
 }
@@ -46,9 +43,9 @@ macro_rules! on_file {
 impl Registered {
     /// A READ of `len` bytes at `offset` of `fd` into `buf`.
     pub fn read(&self, fd: RawFd, buf: *mut u8, len: u32, offset: u64) -> squeue::Entry {
-        let fixed_buf = self.in_region(buf, len);
-        on_file!(self, fd, |file| if fixed_buf {
-            opcode::ReadFixed::new(file, buf, len, REGION_INDEX)
+        let region = self.region_of(buf, len);
+        on_file!(self, fd, |file| if let Some(index) = region {
+            opcode::ReadFixed::new(file, buf, len, index)
                 .offset(offset)
                 .build()
         } else {
@@ -58,9 +55,9 @@ impl Registered {
 
     /// A WRITE of `len` bytes from `buf` at `offset` of `fd`.
     pub fn write(&self, fd: RawFd, buf: *const u8, len: u32, offset: u64) -> squeue::Entry {
-        let fixed_buf = self.in_region(buf, len);
-        on_file!(self, fd, |file| if fixed_buf {
-            opcode::WriteFixed::new(file, buf, len, REGION_INDEX)
+        let region = self.region_of(buf, len);
+        on_file!(self, fd, |file| if let Some(index) = region {
+            opcode::WriteFixed::new(file, buf, len, index)
                 .offset(offset)
                 .build()
         } else {
@@ -68,12 +65,13 @@ impl Registered {
         })
     }
 
-    fn in_region(&self, buf: *const u8, len: u32) -> bool {
-        let Some((start, region_len)) = self.region else {
-            return false;
-        };
+    /// The buffer index of the registered region holding all of `[buf, buf + len)`.
+    fn region_of(&self, buf: *const u8, len: u32) -> Option<u16> {
         let (at, len) = (buf as usize, len as usize);
-        at >= start && at.saturating_add(len) <= start + region_len
+        let i = self.regions.iter().position(|&(start, region_len)| {
+            at >= start && at.saturating_add(len) <= start + region_len
+        })?;
+        u16::try_from(i).ok()
     }
 
     fn file(&self, fd: RawFd) -> Option<types::Fixed> {
@@ -83,32 +81,43 @@ impl Registered {
 }
 
 impl<S: squeue::EntryMarker> Ring<S> {
-    /// Registers `region` as this ring's fixed buffer and `files` as its fixed files, each
-    /// independently: what the kernel refuses (a region over the locked-memory limit, say)
-    /// is left out of the result and reported in the error list, and operations on it take
-    /// the plain path.
+    /// Registers `regions` as this ring's fixed buffers and `files` as its fixed files, each
+    /// set independently: what the kernel refuses (regions over the locked-memory limit,
+    /// say) is left out of the result and reported in the error list, and operations on it
+    /// take the plain path.
     ///
     /// # Safety
     ///
-    /// `region`, if given, must be memory of this process that stays mapped until the ring
-    /// is dropped, and `files` must stay open until then or be the same open files (the
+    /// Every region must be memory of this process that stays mapped until the ring is
+    /// dropped (a region unmapped and mapped again for something else would still reach the
+    /// old pages through [`Registered`]), and `files` must stay open until then or be the same open files (the
     /// ring holds its own references, so a descriptor closed and reused for another file
     /// would still reach the old one through [`Registered`]).
     pub unsafe fn register_fixed(
         &mut self,
-        region: Option<(*mut u8, usize)>,
+        regions: &[(*mut u8, usize)],
         files: &[RawFd],
     ) -> (Registered, Vec<io::Error>) {
         let mut registered = Registered::default();
         let mut errors = Vec::new();
-        if let Some((base, len)) = region {
-            let iov = libc::iovec {
-                iov_base: base.cast(),
-                iov_len: len,
-            };
-            // SAFETY: the caller guarantees the region stays mapped for the ring's life.
-            match unsafe { self.ring.submitter().register_buffers(&[iov]) } {
-                Ok(()) => registered.region = Some((base as usize, len)),
+        // Buffer indexes are 16 bits in an SQE.
+        let regions = &regions[..regions.len().min(usize::from(u16::MAX))];
+        if !regions.is_empty() {
+            let iovs: Vec<libc::iovec> = regions
+                .iter()
+                .map(|&(base, len)| libc::iovec {
+                    iov_base: base.cast(),
+                    iov_len: len,
+                })
+                .collect();
+            // SAFETY: the caller guarantees the regions stay mapped for the ring's life.
+            match unsafe { self.ring.submitter().register_buffers(&iovs) } {
+                Ok(()) => {
+                    registered.regions = regions
+                        .iter()
+                        .map(|&(base, len)| (base as usize, len))
+                        .collect();
+                }
                 Err(e) => errors.push(e),
             }
         }
@@ -146,20 +155,24 @@ mod tests {
         file.write_all(&data).unwrap();
         let fd = file.as_raw_fd();
         let mut arena = HugeArena::new(1 << 20).unwrap();
+        let mut second = HugeArena::new(1 << 20).unwrap();
         let mut inside = arena.carve(8192).unwrap();
+        let mut in_second = second.carve(8192).unwrap();
         let mut outside = AlignedBuf::new(8192);
         let mut ring: Ring = Ring::new(RingConfig::default()).unwrap();
-        let (start, len) = arena.region();
-        // SAFETY: the arena and the file outlive the ring (dropped first, below).
-        let (reg, errors) = unsafe { ring.register_fixed(Some((start, len)), &[fd]) };
+        let regions = [arena.region(), second.hold().region()];
+        // SAFETY: the arenas and the file outlive the ring (dropped first, below).
+        let (reg, errors) = unsafe { ring.register_fixed(&regions, &[fd]) };
         assert!(errors.is_empty(), "{errors:?}");
-        assert!(reg.region.is_some());
+        assert_eq!(reg.regions.len(), 2);
+        assert_eq!(reg.region_of(in_second.as_ptr(), 4096), Some(1));
         assert_eq!(reg.files.len(), 1);
-        // Fixed buffer and fixed file; plain buffer and fixed file; both plain (an
-        // unregistered descriptor of the same file).
+        // Fixed buffers of either region and fixed file; plain buffer and fixed file; both
+        // plain (an unregistered descriptor of the same file).
         let dup = file.try_clone().unwrap();
         let cases = [
             (inside.as_mut_ptr(), fd),
+            (in_second.as_mut_ptr(), fd),
             (outside.as_mut_ptr(), fd),
             (outside.as_mut_ptr(), dup.as_raw_fd()),
         ];
@@ -191,12 +204,18 @@ mod tests {
     #[test]
     fn a_transfer_reaching_past_the_region_takes_the_plain_path() {
         let reg = Registered {
-            region: Some((0x10000, 0x2000)),
+            regions: vec![(0x10000, 0x2000), (0x20000, 0x1000)],
             files: vec![5],
         };
-        assert!(reg.in_region(0x10000 as *const u8, 0x2000));
-        assert!(!reg.in_region(0x11000 as *const u8, 0x1001));
-        assert!(!reg.in_region(0xF000 as *const u8, 16));
+        assert_eq!(reg.region_of(0x10000 as *const u8, 0x2000), Some(0));
+        assert_eq!(reg.region_of(0x20800 as *const u8, 0x800), Some(1));
+        assert_eq!(reg.region_of(0x11000 as *const u8, 0x1001), None);
+        assert_eq!(reg.region_of(0xF000 as *const u8, 16), None);
+        assert_eq!(
+            reg.region_of(0x1F000 as *const u8, 0x2000),
+            None,
+            "straddles"
+        );
         assert!(reg.file(5).is_some());
         assert!(reg.file(6).is_none());
     }

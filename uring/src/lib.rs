@@ -23,7 +23,7 @@ pub mod slab;
 pub mod spin;
 pub mod wake;
 
-pub use buf::{AlignedBuf, HugeArena};
+pub use buf::{AlignedBuf, ArenaHold, HugeArena};
 pub use fixed::Registered;
 pub use ring::{Completion, Ring, RingConfig};
 pub use slab::InFlight;

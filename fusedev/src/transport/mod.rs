@@ -172,8 +172,9 @@ pub struct SessionConfig {
     /// Ring entries registered per FUSE queue (each owns a `max_write` payload buffer);
     /// 0 chooses by memory (see [`ring::auto_entries_per_queue`]).
     pub ring_entries_per_queue: usize,
-    /// Ring transport: a worker with more requests than this in service passes some of its
-    /// queue's entries to a less busy worker (see `ring::Peers`); 0 never does.
+    /// Ring transport: a worker with more requests than this in service moves its queue to
+    /// a quiet worker, or passes single entries to a less busy one (see `ring::Peers`); 0
+    /// never does either.
     pub ring_share_above: usize,
     /// Reads kept outstanding per `/dev/fuse` worker.
     pub devfuse_reads_per_core: usize,

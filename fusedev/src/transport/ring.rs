@@ -9,15 +9,17 @@
 
 use std::{
     sync::{
-        atomic::{AtomicUsize, Ordering},
-        mpsc, Arc, Mutex,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        mpsc, Arc, Condvar, Mutex,
     },
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use io_uring::squeue::Entry128;
-use uring::{cpu, AlignedBuf, HugeArena, Ring, RingConfig, SpinPolicy, WaitPlan, Waited, Waker};
+use uring::{
+    cpu, AlignedBuf, ArenaHold, HugeArena, Ring, RingConfig, SpinPolicy, WaitPlan, Waited, Waker,
+};
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -155,15 +157,24 @@ impl std::ops::Deref for LoadSlot {
 /// What the workers of a session share to pass entries between them.
 ///
 /// The kernel queues a request on the queue of the CPU it was made on, and hands it to an
-/// entry registered on that queue; the ring that last committed the entry gets it. One
-/// process doing all its I/O from one CPU would keep one worker busy and leave the others
-/// idle. So a worker with more than `share_above` requests in service commits some of
-/// its queue's entries through a less busy worker (which then serves the requests those
-/// entries get), and a worker holding another queue's entry gives it back, at its next
-/// commit, once that queue's own worker is down to half the mark. At low load every entry
-/// is at home, so a request is served on the CPU that made it. This relies on the kernel
-/// handing an entry's next request to the ring that committed it, whichever ring
-/// registered it.
+/// entry registered on that queue; the ring that last committed the entry gets it. So a
+/// process doing all its I/O from one CPU shares that CPU with the worker of its queue: at
+/// queue depth 32 the two take turns, the worker's replies wait while the process sends,
+/// its device reads wait while it replies, and the device runs half empty while the other
+/// CPU idles. A worker with more than `share_above` requests in service therefore moves
+/// its queue to a quiet worker (at most half the mark in service): every entry of the
+/// queue is committed through that worker, which then serves the requests those entries
+/// get, until the queue has stayed quiet there ([`Peers::quiet_load`]) for
+/// [`QUEUE_RETURN_QUIET`]. The queue moves whole and comes back only after a quiet spell
+/// because a process at depth 32 has between a handful and all of its requests in
+/// service within one burst of device completions: entries moved one by one at such a
+/// mark bounced at every burst. Beside that, a worker serving a queue with more than the
+/// mark in service passes single entries to a less busy worker, which gives them back once
+/// the first is down to half the mark; with a moved queue that brings the process's own
+/// CPU in to help. At low load every entry is at home, so a request is served on the CPU
+/// that made it and its reply wakes the process without an interprocessor interrupt. This
+/// relies on the kernel handing an entry's next request to the ring that committed it,
+/// whichever ring registered it.
 ///
 /// Large writes are the exception (see [`Piece`]): their pieces are spread over the
 /// workers whatever the load, because the kernel's copy of their data, not the device,
@@ -178,24 +189,133 @@ struct Peers {
     live: AtomicUsize,
     /// The worker that registered each queue (indexed by queue id).
     home: Vec<usize>,
-    /// 0 never passes entries.
+    /// Per queue id: the worker it moved to, or [`AT_HOME`].
+    moved_to: Vec<AtomicUsize>,
+    /// Per queue id: when (see [`Peers::now`]) a commit of its entries last found the
+    /// worker it moved to busier than [`Peers::quiet_load`].
+    last_busy: Vec<AtomicU64>,
+    /// What `last_busy` counts from.
+    epoch: Instant,
+    /// 0 never moves a queue.
     share_above: usize,
+    /// The workers' payload arenas, for every ring to register.
+    arenas: ArenaExchange,
 }
 
+/// Where the workers leave a hold on their payload arenas as they start, and collect the
+/// others' before registering buffers with their rings.
+struct ArenaExchange {
+    /// Workers that have published, and the holds published so far.
+    published: Mutex<(usize, Vec<ArenaHold>)>,
+    all_in: Condvar,
+    workers: usize,
+}
+
+/// How long a starting worker waits for the others' arenas: they are mapped as the threads
+/// start, so only a worker that failed to start is ever waited for this long (the session
+/// then fails anyway).
+const ARENA_EXCHANGE_WAIT: Duration = Duration::from_secs(5);
+
+impl ArenaExchange {
+    fn new(workers: usize) -> ArenaExchange {
+        ArenaExchange {
+            published: Mutex::new((0, Vec::with_capacity(workers))),
+            all_in: Condvar::new(),
+            workers,
+        }
+    }
+
+    /// Publishes this worker's arena (none if it has none) and returns every arena
+    /// published once all workers have, or [`ARENA_EXCHANGE_WAIT`] has passed.
+    fn exchange(&self, mine: Option<ArenaHold>) -> Vec<ArenaHold> {
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        p.0 += 1;
+        p.1.extend(mine);
+        self.all_in.notify_all();
+        let (p, _) = self
+            .all_in
+            .wait_timeout_while(p, ARENA_EXCHANGE_WAIT, |p| p.0 < self.workers)
+            .unwrap_or_else(|e| e.into_inner());
+        p.1.clone()
+    }
+}
+
+/// `Peers::moved_to` of a queue served by its own worker.
+const AT_HOME: usize = usize::MAX;
+/// How long a moved queue must stay quiet at the worker serving it before it goes home: a
+/// few bursts of a process at depth 32 (each under a millisecond), so that the pauses
+/// between bursts do not bring it back.
+const QUEUE_RETURN_QUIET: Duration = Duration::from_millis(5);
+
 impl Peers {
-    /// Where the entry of queue `qid` that worker `me` is committing should go, if not to
-    /// `me`.
-    fn handoff_target(&self, me: usize, qid: u16) -> Option<usize> {
+    fn new(
+        handoff: Vec<(Sender<Entry>, Waker)>,
+        home: Vec<usize>,
+        live: usize,
+        share_above: usize,
+    ) -> Peers {
+        let handoff_len = handoff.len();
+        Peers {
+            load: (0..handoff_len).map(|_| LoadSlot::default()).collect(),
+            handoff,
+            live: AtomicUsize::new(live),
+            moved_to: (0..home.len()).map(|_| AtomicUsize::new(AT_HOME)).collect(),
+            last_busy: (0..home.len()).map(|_| AtomicU64::new(0)).collect(),
+            arenas: ArenaExchange::new(handoff_len),
+            home,
+            epoch: Instant::now(),
+            share_above,
+        }
+    }
+
+    /// Time since the session's start, for [`Peers::handoff_target`].
+    fn now(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
+    /// Requests in service at or below which a moved queue's worker counts as quiet. At
+    /// least one: the count includes the request being answered.
+    fn quiet_load(&self) -> usize {
+        (self.share_above / 4).max(1)
+    }
+
+    /// Where the entry of queue `qid` that worker `me` is committing at `now` should go, if
+    /// not to `me`.
+    fn handoff_target(&self, me: usize, qid: u16, now: Duration) -> Option<usize> {
         if self.share_above == 0 || self.load.len() < 2 {
             return None;
         }
+        let q = usize::from(qid);
+        let (Some(&home), Some(moved_to), Some(last_busy)) = (
+            self.home.get(q),
+            self.moved_to.get(q),
+            self.last_busy.get(q),
+        ) else {
+            return None;
+        };
         let load = |w: usize| self.load[w].load(Ordering::Relaxed);
-        let home = self.home.get(usize::from(qid)).copied().unwrap_or(me);
-        if home != me {
-            // Back only well below the mark, or entries would bounce at every commit.
-            return (load(home) <= self.share_above / 2).then_some(home);
+        let now_ns = u64::try_from(now.as_nanos()).unwrap_or(u64::MAX);
+        let serving = match moved_to.load(Ordering::Relaxed) {
+            AT_HOME => home,
+            w => w,
+        };
+        if me != serving {
+            // Overflow, or left behind by a move: back once the serving worker is well below
+            // the mark, or entries would bounce at every commit.
+            return (load(serving) <= self.share_above / 2).then_some(serving);
         }
         let mine = load(me);
+        if serving != home {
+            if mine > self.quiet_load() {
+                last_busy.store(now_ns, Ordering::Relaxed);
+            } else {
+                let busy_at = Duration::from_nanos(last_busy.load(Ordering::Relaxed));
+                if now.saturating_sub(busy_at) >= QUEUE_RETURN_QUIET {
+                    moved_to.store(AT_HOME, Ordering::Relaxed);
+                    return Some(home);
+                }
+            }
+        }
         if mine <= self.share_above {
             return None;
         }
@@ -203,6 +323,12 @@ impl Peers {
             .filter(|&w| w != me)
             .map(|w| (w, load(w)))
             .min_by_key(|&(_, l)| l)?;
+        if serving == home && theirs <= self.share_above / 2 {
+            last_busy.store(now_ns, Ordering::Relaxed);
+            moved_to.store(other, Ordering::Relaxed);
+            return Some(other);
+        }
+        // Overflow: this entry alone goes to a less busy worker, and comes back.
         (theirs + 1 < mine).then_some(other)
     }
 
@@ -281,13 +407,12 @@ pub(crate) fn start(
             home[usize::from(q)] = w;
         }
     }
-    let peers = Arc::new(Peers {
-        load: (0..cfg.cpus.len()).map(|_| LoadSlot::default()).collect(),
-        live: AtomicUsize::new(entries_total),
+    let peers = Arc::new(Peers::new(
         handoff,
         home,
-        share_above: cfg.ring_share_above,
-    });
+        entries_total,
+        cfg.ring_share_above,
+    ));
     for (core, ((&cpu, queues), handoff_rx)) in
         cfg.cpus.iter().zip(queues_of).zip(handoff_rxs).enumerate()
     {
@@ -374,16 +499,6 @@ impl<'a> Worker<'a> {
         let waker = &peers.handoff[core].1;
         settle_worker_thread(shared, &format!("ring worker {core}"), cpu);
         let entries_max = queues.len() * entries_per_queue;
-        // Each entry has at most one command plus its READ segments in flight; segments are
-        // bounded by the ring's size through back-pressure in `Ring::push`.
-        let sq_entries_max = (entries_max * 4 + 8).next_power_of_two() as u32;
-        let mut ring: Ring<Entry128> = match Ring::new(RingConfig { sq_entries_max }) {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = started.send(Err(format!("io_uring with SQE128: {e}")));
-                return;
-            }
-        };
         let payload_len = shared.negotiated.payload_max();
         // Payloads in huge pages: a READ or WRITE's device transfer is then one contiguous
         // segment (see `uring::buf`).
@@ -394,13 +509,26 @@ impl<'a> Worker<'a> {
                 None
             }
         };
+        // Every ring registers every worker's arena: entries move between workers (see
+        // `Peers`), and their transfers stay on the registered path wherever they are served.
+        // The holds keep the other workers' arenas mapped for as long as this ring lives.
+        let arena_holds = peers.arenas.exchange(arena.as_ref().map(HugeArena::hold));
+        // Each entry has at most one command plus its READ segments in flight; segments are
+        // bounded by the ring's size through back-pressure in `Ring::push`.
+        let sq_entries_max = (entries_max * 4 + 8).next_power_of_two() as u32;
+        let mut ring: Ring<Entry128> = match Ring::new(RingConfig { sq_entries_max }) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = started.send(Err(format!("io_uring with SQE128: {e}")));
+                return;
+            }
+        };
         let stable_fds = shared.handler.stable_fds();
-        // SAFETY: the arena's mapping outlives the ring: every payload carved from it holds
-        // it, and the entries are dropped after the ring or never (see the end of `run`);
-        // the handler keeps `stable_fds` open on the same files while it lives, and it
-        // outlives the session.
-        let (fixed, refused) =
-            unsafe { ring.register_fixed(arena.as_ref().map(HugeArena::region), &stable_fds) };
+        let regions: Vec<(*mut u8, usize)> = arena_holds.iter().map(ArenaHold::region).collect();
+        // SAFETY: every region is an arena that `arena_holds` keeps mapped until the end of
+        // `run`, after the ring is dropped; the handler keeps `stable_fds` open on the same
+        // files while it lives, and it outlives the session.
+        let (fixed, refused) = unsafe { ring.register_fixed(&regions, &stable_fds) };
         for e in refused {
             log::info!("ring worker {core}: device transfers without registration: {e}");
         }
@@ -884,7 +1012,7 @@ impl<'a> Worker<'a> {
         self.recorder
             .record_since(p.op, perf::Stage::Total, &p.started);
         let target = match p.piece {
-            Piece::No => self.peers.handoff_target(self.core, qid),
+            Piece::No => self.peers.handoff_target(self.core, qid, self.peers.now()),
             Piece::Keep => None,
             Piece::Spread => self.peers.spread_target(self.core),
         };
@@ -945,11 +1073,8 @@ fn cmd_req(commit_id: u64, qid: u16) -> [u8; 80] {
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_entries_per_queue, linger_budget, LoadSlot, Peers, Piece};
-    use std::{
-        sync::atomic::{AtomicUsize, Ordering},
-        time::Duration,
-    };
+    use super::{auto_entries_per_queue, linger_budget, Peers, Piece};
+    use std::{sync::atomic::Ordering, time::Duration};
     use uring::{WaitPlan, Waker};
 
     /// Peers with these loads, one queue per worker (queue `w` at home on worker `w`).
@@ -963,16 +1088,14 @@ mod tests {
                 )
             })
             .collect();
-        let load: Vec<LoadSlot> = loads.iter().map(|_| LoadSlot::default()).collect();
-        for (slot, &l) in load.iter().zip(loads) {
+        let p = Peers::new(handoff, (0..loads.len()).collect(), 0, share_above);
+        set_loads(&p, loads);
+        p
+    }
+
+    fn set_loads(p: &Peers, loads: &[usize]) {
+        for (slot, &l) in p.load.iter().zip(loads) {
             slot.store(l, Ordering::Relaxed);
-        }
-        Peers {
-            handoff,
-            load,
-            live: AtomicUsize::new(0),
-            home: (0..loads.len()).collect(),
-            share_above,
         }
     }
 
@@ -1011,24 +1134,70 @@ mod tests {
         assert_eq!(peers(&[0], 16).spread_target(0), None, "no other worker");
     }
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
     #[test]
-    fn entries_pass_above_the_mark_and_return_below_half_of_it() {
-        // Home worker: keeps its entries up to the mark, then passes to a less busy one.
-        assert_eq!(peers(&[16, 0], 16).handoff_target(0, 0), None);
-        assert_eq!(peers(&[17, 3], 16).handoff_target(0, 0), Some(1));
+    fn a_queue_moves_above_the_mark_to_a_quiet_worker_and_overflows_between_busy_ones() {
+        let p = peers(&[16, 0], 16);
+        assert_eq!(p.handoff_target(0, 0, ms(1)), None, "at the mark: home");
+        // Both busy: single entries overflow to the less busy worker and come back below
+        // half the mark; the queue stays.
+        set_loads(&p, &[20, 16]);
+        assert_eq!(p.handoff_target(0, 0, ms(1)), Some(1));
+        assert_eq!(p.handoff_target(1, 0, ms(1)), None);
+        set_loads(&p, &[17, 16]);
+        assert_eq!(p.handoff_target(0, 0, ms(1)), None, "not less busy");
+        set_loads(&p, &[8, 16]);
+        assert_eq!(p.handoff_target(1, 0, ms(1)), Some(0));
+        // The other worker quiet: the queue moves.
+        set_loads(&p, &[17, 8]);
+        assert_eq!(p.handoff_target(0, 0, ms(1)), Some(1));
+        // Its entries still at home follow once the worker serving it is below half the mark.
+        set_loads(&p, &[1, 9]);
+        assert_eq!(p.handoff_target(0, 0, ms(2)), None);
+        set_loads(&p, &[1, 8]);
+        assert_eq!(p.handoff_target(0, 0, ms(2)), Some(1));
+        // The worker serving it keeps them, and overflows home above the mark.
+        set_loads(&p, &[0, 9]);
+        assert_eq!(p.handoff_target(1, 0, ms(2)), None);
+        set_loads(&p, &[0, 17]);
+        assert_eq!(p.handoff_target(1, 0, ms(2)), Some(0));
+        // The other queue is untouched.
+        set_loads(&p, &[0, 9]);
+        assert_eq!(p.handoff_target(1, 1, ms(2)), None);
         assert_eq!(
-            peers(&[17, 16], 16).handoff_target(0, 0),
+            peers(&[40, 0], 0).handoff_target(0, 0, ms(1)),
             None,
-            "not less busy"
+            "0 never moves"
         );
-        // Another queue's entry goes home once its worker is at half the mark or below.
-        assert_eq!(peers(&[8, 0], 16).handoff_target(1, 0), Some(0));
-        assert_eq!(peers(&[9, 0], 16).handoff_target(1, 0), None);
         assert_eq!(
-            peers(&[40, 0], 0).handoff_target(0, 0),
+            peers(&[40], 16).handoff_target(0, 0, ms(1)),
             None,
-            "0 never passes"
+            "no other worker"
         );
+    }
+
+    #[test]
+    fn a_moved_queue_goes_home_only_after_a_quiet_spell() {
+        let p = peers(&[17, 0], 16);
+        assert_eq!(p.handoff_target(0, 0, ms(10)), Some(1));
+        // Quiet commits right after the move, and a busy one that restarts the spell.
+        set_loads(&p, &[0, 4]);
+        assert_eq!(p.handoff_target(1, 0, ms(14)), None);
+        set_loads(&p, &[0, 5]);
+        assert_eq!(p.handoff_target(1, 0, ms(16)), None);
+        set_loads(&p, &[0, 1]);
+        assert_eq!(p.handoff_target(1, 0, ms(20)), None, "quiet for 4 ms only");
+        assert_eq!(p.handoff_target(1, 0, ms(21)), Some(0));
+        // Home again: entries still at the other worker follow at their next commit, and
+        // the queue moves again only above the mark.
+        assert_eq!(p.handoff_target(1, 0, ms(22)), Some(0));
+        set_loads(&p, &[16, 0]);
+        assert_eq!(p.handoff_target(0, 0, ms(22)), None);
+        set_loads(&p, &[17, 0]);
+        assert_eq!(p.handoff_target(0, 0, ms(22)), Some(1));
     }
 
     #[test]
