@@ -141,16 +141,22 @@ impl Entry {
     }
 }
 
-/// One worker's load counter on a cache line of its own, so that its updates on every
-/// request do not invalidate the line the other workers' counters sit on.
+/// One worker's load on a cache line of its own, so that its updates on every request do
+/// not invalidate the line the other workers' counters sit on.
 #[repr(align(128))]
 #[derive(Default)]
-struct LoadSlot(AtomicUsize);
+struct LoadSlot {
+    /// Requests in service.
+    in_service: AtomicUsize,
+    /// When (see [`Peers::now`], in ns; 0 never) one of its commits for a queue it serves
+    /// (not overflow) last found more than [`Peers::quiet_load`] in service.
+    busy_at: AtomicU64,
+}
 
 impl std::ops::Deref for LoadSlot {
     type Target = AtomicUsize;
     fn deref(&self) -> &AtomicUsize {
-        &self.0
+        &self.in_service
     }
 }
 
@@ -162,7 +168,8 @@ impl std::ops::Deref for LoadSlot {
 /// queue depth 32 the two take turns, the worker's replies wait while the process sends,
 /// its device reads wait while it replies, and the device runs half empty while the other
 /// CPU idles. A worker with more than `share_above` requests in service therefore moves
-/// its queue to a quiet worker (at most half the mark in service): every entry of the
+/// its queue to a quiet worker (at most half the mark in service now, and no more than
+/// [`Peers::quiet_load`] at any commit for a queue it serves, for [`QUEUE_RETURN_QUIET`]): every entry of the
 /// queue is committed through that worker, which then serves the requests those entries
 /// get, until the queue has stayed quiet there ([`Peers::quiet_load`]) for
 /// [`QUEUE_RETURN_QUIET`]. The queue moves whole and comes back only after a quiet spell
@@ -294,7 +301,7 @@ impl Peers {
             return None;
         };
         let load = |w: usize| self.load[w].load(Ordering::Relaxed);
-        let now_ns = u64::try_from(now.as_nanos()).unwrap_or(u64::MAX);
+        let now_ns = u64::try_from(now.as_nanos()).unwrap_or(u64::MAX).max(1);
         let serving = match moved_to.load(Ordering::Relaxed) {
             AT_HOME => home,
             w => w,
@@ -304,7 +311,12 @@ impl Peers {
             // the mark, or entries would bounce at every commit.
             return (load(serving) <= self.share_above / 2).then_some(serving);
         }
+        // Busy with a queue it serves; overflow it takes in does not count, or a worker
+        // helping a busy queue could never take it over.
         let mine = load(me);
+        if mine > self.quiet_load() {
+            self.load[me].busy_at.store(now_ns, Ordering::Relaxed);
+        }
         if serving != home {
             if mine > self.quiet_load() {
                 last_busy.store(now_ns, Ordering::Relaxed);
@@ -319,11 +331,25 @@ impl Peers {
         if mine <= self.share_above {
             return None;
         }
+        if serving == home {
+            // Its own queue is busy: queues that moved here go back home, so that two busy
+            // queues are each served on their own CPU.
+            for (q, to) in self.moved_to.iter().enumerate() {
+                if q != usize::from(qid) && to.load(Ordering::Relaxed) == me {
+                    to.store(AT_HOME, Ordering::Relaxed);
+                }
+            }
+        }
         let (other, theirs) = (0..self.load.len())
             .filter(|&w| w != me)
             .map(|w| (w, load(w)))
             .min_by_key(|&(_, l)| l)?;
-        if serving == home && theirs <= self.share_above / 2 {
+        // Only to a worker that has been quiet for a while, not one whose own queue is busy
+        // in bursts: two busy queues would otherwise swap CPUs and stay swapped.
+        let other_busy_at = self.load[other].busy_at.load(Ordering::Relaxed);
+        let other_quiet = other_busy_at == 0
+            || now.saturating_sub(Duration::from_nanos(other_busy_at)) >= QUEUE_RETURN_QUIET;
+        if serving == home && theirs <= self.share_above / 2 && other_quiet {
             last_busy.store(now_ns, Ordering::Relaxed);
             moved_to.store(other, Ordering::Relaxed);
             return Some(other);
@@ -1073,7 +1099,7 @@ fn cmd_req(commit_id: u64, qid: u16) -> [u8; 80] {
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_entries_per_queue, linger_budget, Peers, Piece};
+    use super::{auto_entries_per_queue, linger_budget, Peers, Piece, AT_HOME};
     use std::{sync::atomic::Ordering, time::Duration};
     use uring::{WaitPlan, Waker};
 
@@ -1151,22 +1177,22 @@ mod tests {
         assert_eq!(p.handoff_target(0, 0, ms(1)), None, "not less busy");
         set_loads(&p, &[8, 16]);
         assert_eq!(p.handoff_target(1, 0, ms(1)), Some(0));
-        // The other worker quiet: the queue moves.
+        // The other worker quiet (the overflow it took does not count): the queue moves.
         set_loads(&p, &[17, 8]);
-        assert_eq!(p.handoff_target(0, 0, ms(1)), Some(1));
+        assert_eq!(p.handoff_target(0, 0, ms(2)), Some(1));
         // Its entries still at home follow once the worker serving it is below half the mark.
         set_loads(&p, &[1, 9]);
-        assert_eq!(p.handoff_target(0, 0, ms(2)), None);
+        assert_eq!(p.handoff_target(0, 0, ms(7)), None);
         set_loads(&p, &[1, 8]);
-        assert_eq!(p.handoff_target(0, 0, ms(2)), Some(1));
+        assert_eq!(p.handoff_target(0, 0, ms(7)), Some(1));
         // The worker serving it keeps them, and overflows home above the mark.
         set_loads(&p, &[0, 9]);
-        assert_eq!(p.handoff_target(1, 0, ms(2)), None);
+        assert_eq!(p.handoff_target(1, 0, ms(7)), None);
         set_loads(&p, &[0, 17]);
-        assert_eq!(p.handoff_target(1, 0, ms(2)), Some(0));
+        assert_eq!(p.handoff_target(1, 0, ms(7)), Some(0));
         // The other queue is untouched.
         set_loads(&p, &[0, 9]);
-        assert_eq!(p.handoff_target(1, 1, ms(2)), None);
+        assert_eq!(p.handoff_target(1, 1, ms(7)), None);
         assert_eq!(
             peers(&[40, 0], 0).handoff_target(0, 0, ms(1)),
             None,
@@ -1177,6 +1203,35 @@ mod tests {
             None,
             "no other worker"
         );
+    }
+
+    #[test]
+    fn a_queue_does_not_move_to_a_worker_busy_with_its_own() {
+        let p = peers(&[0, 5], 16);
+        // Worker 1 commits one of its own queue's requests with more than 4 in service.
+        // (Worker 0, at its mark, passes nothing.)
+        assert_eq!(p.handoff_target(1, 1, ms(10)), None);
+        set_loads(&p, &[20, 8]);
+        assert_eq!(p.handoff_target(0, 0, ms(14)), Some(1), "overflow only");
+        assert_eq!(p.moved_to[0].load(Ordering::Relaxed), AT_HOME);
+        assert_eq!(p.handoff_target(0, 0, ms(15)), Some(1), "5 ms quiet: moves");
+        assert_eq!(p.moved_to[0].load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_moved_queue_goes_home_when_its_hosts_own_queue_gets_busy() {
+        let p = peers(&[17, 0], 16);
+        assert_eq!(p.handoff_target(0, 0, ms(1)), Some(1));
+        // Worker 1's own queue gets busy: queue 0 goes home, and its entries follow once
+        // worker 0 is below half the mark.
+        set_loads(&p, &[4, 20]);
+        assert_eq!(
+            p.handoff_target(1, 1, ms(2)),
+            Some(0),
+            "overflow of queue 1"
+        );
+        assert_eq!(p.moved_to[0].load(Ordering::Relaxed), AT_HOME);
+        assert_eq!(p.handoff_target(1, 0, ms(2)), Some(0));
     }
 
     #[test]
