@@ -149,7 +149,8 @@ struct LoadSlot {
     /// Requests in service.
     in_service: AtomicUsize,
     /// When (see [`Peers::now`], in ns; 0 never) one of its commits for a queue it serves
-    /// (not overflow) last found more than [`Peers::quiet_load`] in service.
+    /// (not overflow) last found more than [`Peers::quiet_load`] in service, or a queue
+    /// moved to it.
     busy_at: AtomicU64,
 }
 
@@ -168,11 +169,11 @@ impl std::ops::Deref for LoadSlot {
 /// queue depth 32 the two take turns, the worker's replies wait while the process sends,
 /// its device reads wait while it replies, and the device runs half empty while the other
 /// CPU idles. A worker with more than `share_above` requests in service therefore moves
-/// its queue to a quiet worker (at most half the mark in service now, and no more than
-/// [`Peers::quiet_load`] at any commit for a queue it serves, for [`QUEUE_RETURN_QUIET`]): every entry of the
-/// queue is committed through that worker, which then serves the requests those entries
-/// get, until the queue has stayed quiet there ([`Peers::quiet_load`]) for
-/// [`QUEUE_RETURN_QUIET`]. The queue moves whole and comes back only after a quiet spell
+/// its queue to a quiet worker: one with at most half the mark in service now, and no more
+/// than [`Peers::quiet_load`] at any commit for a queue it serves for
+/// [`QUEUE_RETURN_QUIET`]. Every entry of the queue is then committed through that worker,
+/// which serves the requests those entries get until it has been quiet in the same sense
+/// again, or its own queue goes above the mark. The queue moves whole and comes back only after a quiet spell
 /// because a process at depth 32 has between a handful and all of its requests in
 /// service within one burst of device completions: entries moved one by one at such a
 /// mark bounced at every burst. Beside that, a worker serving a queue with more than the
@@ -198,10 +199,7 @@ struct Peers {
     home: Vec<usize>,
     /// Per queue id: the worker it moved to, or [`AT_HOME`].
     moved_to: Vec<AtomicUsize>,
-    /// Per queue id: when (see [`Peers::now`]) a commit of its entries last found the
-    /// worker it moved to busier than [`Peers::quiet_load`].
-    last_busy: Vec<AtomicU64>,
-    /// What `last_busy` counts from.
+    /// What [`LoadSlot::busy_at`] counts from.
     epoch: Instant,
     /// 0 never moves a queue.
     share_above: usize,
@@ -267,7 +265,6 @@ impl Peers {
             handoff,
             live: AtomicUsize::new(live),
             moved_to: (0..home.len()).map(|_| AtomicUsize::new(AT_HOME)).collect(),
-            last_busy: (0..home.len()).map(|_| AtomicU64::new(0)).collect(),
             arenas: ArenaExchange::new(handoff_len),
             home,
             epoch: Instant::now(),
@@ -286,6 +283,13 @@ impl Peers {
         (self.share_above / 4).max(1)
     }
 
+    /// Whether worker `w` has been quiet (see [`Peers::quiet_load`]) for
+    /// [`QUEUE_RETURN_QUIET`] at `now`.
+    fn quiet_for_a_while(&self, w: usize, now: Duration) -> bool {
+        let busy_at = self.load[w].busy_at.load(Ordering::Relaxed);
+        busy_at == 0 || now.saturating_sub(Duration::from_nanos(busy_at)) >= QUEUE_RETURN_QUIET
+    }
+
     /// Where the entry of queue `qid` that worker `me` is committing at `now` should go, if
     /// not to `me`.
     fn handoff_target(&self, me: usize, qid: u16, now: Duration) -> Option<usize> {
@@ -293,11 +297,7 @@ impl Peers {
             return None;
         }
         let q = usize::from(qid);
-        let (Some(&home), Some(moved_to), Some(last_busy)) = (
-            self.home.get(q),
-            self.moved_to.get(q),
-            self.last_busy.get(q),
-        ) else {
+        let (Some(&home), Some(moved_to)) = (self.home.get(q), self.moved_to.get(q)) else {
             return None;
         };
         let load = |w: usize| self.load[w].load(Ordering::Relaxed);
@@ -316,17 +316,9 @@ impl Peers {
         let mine = load(me);
         if mine > self.quiet_load() {
             self.load[me].busy_at.store(now_ns, Ordering::Relaxed);
-        }
-        if serving != home {
-            if mine > self.quiet_load() {
-                last_busy.store(now_ns, Ordering::Relaxed);
-            } else {
-                let busy_at = Duration::from_nanos(last_busy.load(Ordering::Relaxed));
-                if now.saturating_sub(busy_at) >= QUEUE_RETURN_QUIET {
-                    moved_to.store(AT_HOME, Ordering::Relaxed);
-                    return Some(home);
-                }
-            }
+        } else if serving != home && self.quiet_for_a_while(me, now) {
+            moved_to.store(AT_HOME, Ordering::Relaxed);
+            return Some(home);
         }
         if mine <= self.share_above {
             return None;
@@ -334,8 +326,8 @@ impl Peers {
         if serving == home {
             // Its own queue is busy: queues that moved here go back home, so that two busy
             // queues are each served on their own CPU.
-            for (q, to) in self.moved_to.iter().enumerate() {
-                if q != usize::from(qid) && to.load(Ordering::Relaxed) == me {
+            for (guest, to) in self.moved_to.iter().enumerate() {
+                if guest != q && to.load(Ordering::Relaxed) == me {
                     to.store(AT_HOME, Ordering::Relaxed);
                 }
             }
@@ -346,11 +338,9 @@ impl Peers {
             .min_by_key(|&(_, l)| l)?;
         // Only to a worker that has been quiet for a while, not one whose own queue is busy
         // in bursts: two busy queues would otherwise swap CPUs and stay swapped.
-        let other_busy_at = self.load[other].busy_at.load(Ordering::Relaxed);
-        let other_quiet = other_busy_at == 0
-            || now.saturating_sub(Duration::from_nanos(other_busy_at)) >= QUEUE_RETURN_QUIET;
-        if serving == home && theirs <= self.share_above / 2 && other_quiet {
-            last_busy.store(now_ns, Ordering::Relaxed);
+        if serving == home && theirs <= self.share_above / 2 && self.quiet_for_a_while(other, now) {
+            // Its quiet spell starts again now, or the queue could come straight back.
+            self.load[other].busy_at.store(now_ns, Ordering::Relaxed);
             moved_to.store(other, Ordering::Relaxed);
             return Some(other);
         }
