@@ -11,7 +11,7 @@
 
 use std::{cell::Cell, os::fd::RawFd};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{Sender, TrySendError};
 use uring::Waker;
 
 use crate::{errno::Errno, request::Request};
@@ -140,15 +140,27 @@ impl DeferredReply {
 
     fn send(&mut self, outcome: DeferredOutcome) {
         self.sent = true;
-        // The channel holds one slot per request the core can have outstanding, and each
-        // request defers at most once, so it cannot be full; a closed channel means the
-        // connection is gone and there is nobody left to answer.
-        if let Err(e) = self.completions.try_send(DeferredCompletion {
+        // The channel holds one slot per request the core can come to hold, and each request
+        // defers at most once, so it is never full: a full one is a bug that leaves the
+        // request unanswered, said loudly. A closed channel means the connection is gone and
+        // there is nobody left to answer.
+        match self.completions.try_send(DeferredCompletion {
             token: self.token,
             outcome,
         }) {
-            log::debug!("deferred reply dropped: {e}");
-            return;
+            Ok(()) => {}
+            Err(TrySendError::Full(c)) => {
+                log::error!(
+                    "deferred reply for entry {} dropped: the core's completion channel is \
+                     full; its request stays unanswered",
+                    c.token
+                );
+                return;
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                log::debug!("deferred reply dropped: the session has ended");
+                return;
+            }
         }
         self.waker.wake();
     }

@@ -2,9 +2,9 @@
 //! drop what it cached, on both transports. Needs root and /dev/fuse (skips loudly without,
 //! fails instead when ETCFS_REQUIRE_MOUNT_TESTS=1).
 
+mod common;
+
 use std::{
-    os::unix::fs::MetadataExt,
-    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
         Arc,
@@ -15,12 +15,10 @@ use std::{
 use fusedev::{
     abi::{Attr, AttrOut, EntryOut},
     errno::Errno,
-    mount::{Mount, MountOptions},
-    opcode::Opcode,
     reply,
     request::{Operation, Request},
     server::{Handler, Reply, RequestCtx},
-    transport::{Session, SessionConfig, TransportChoice},
+    transport::TransportChoice,
 };
 
 const LONG: Duration = Duration::from_secs(3600);
@@ -79,76 +77,11 @@ impl Handler for OneFile {
     }
 }
 
-fn mount_tests_possible(test: &str) -> bool {
-    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
-    let ok = root && Path::new("/dev/fuse").exists();
-    if !ok {
-        assert!(
-            std::env::var_os("ETCFS_REQUIRE_MOUNT_TESTS").is_none(),
-            "{test}: needs root and /dev/fuse, and ETCFS_REQUIRE_MOUNT_TESTS is set"
-        );
-        eprintln!("SKIP: {test}: needs root and /dev/fuse");
-    }
-    ok
-}
-
-struct Mounted {
-    dir: PathBuf,
-    session: Option<Session>,
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        if let Some(s) = self.session.take() {
-            s.stopper().shutdown();
-            s.wait();
-        }
-        let _ = std::fs::remove_dir(&self.dir);
-    }
-}
-
-fn mount(fs: Arc<OneFile>, transport: TransportChoice) -> Mounted {
-    let dir =
-        std::env::temp_dir().join(format!("etcfs-notify-{}-{transport:?}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("create mountpoint");
-    let opts = MountOptions {
-        fsname: "etcfs-test".into(),
-        allow_other: false,
-        noatime: false,
-        read_only: false,
-        noexec: false,
-        uid: 0,
-        gid: 0,
-    };
-    let mnt = Arc::new(Mount::new(&dir, &opts).expect("mount"));
-    let names: Vec<&'static str> = Opcode::NAMES.to_vec();
-    let perf = perf::Registry::new(names, fusedev::transport::COUNTERS.to_vec(), 2, false);
-    let cfg = SessionConfig {
-        transport,
-        cpus: vec![uring::cpu::allowed_cpus().expect("cpus")[0]],
-        ring_entries_per_queue: 2,
-        ring_share_above: 0,
-        devfuse_reads_per_core: 2,
-        device_spin: std::time::Duration::ZERO,
-        ring_linger: std::time::Duration::ZERO,
-    };
-    let session = Session::start(mnt, fs, perf, &cfg, true).expect("start session");
-    Mounted {
-        dir,
-        session: Some(session),
-    }
-}
-
-fn uring_enabled() -> bool {
-    std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
-        .is_ok_and(|v| v.trim() == "Y")
-}
-
 fn notifications_drop_kernel_caches(transport: TransportChoice) {
     let fs = Arc::new(OneFile::default());
     fs.present.store(true, Ordering::SeqCst);
     fs.size.store(10, Ordering::SeqCst);
-    let m = mount(fs.clone(), transport);
+    let m = common::mount(fs.clone(), "notify", &common::small_config(transport));
     let session = m.session.as_ref().expect("session");
     let expected = if transport == TransportChoice::Uring {
         "uring"
@@ -210,22 +143,14 @@ fn notifications_drop_kernel_caches(transport: TransportChoice) {
 
 #[test]
 fn notifications_on_devfuse() {
-    if mount_tests_possible("notifications_on_devfuse") {
+    if common::mount_tests_possible("notifications_on_devfuse") {
         notifications_drop_kernel_caches(TransportChoice::Devfuse);
     }
 }
 
 #[test]
 fn notifications_on_uring() {
-    if !mount_tests_possible("notifications_on_uring") {
-        return;
-    }
-    if !uring_enabled() {
-        assert!(
-            std::env::var_os("ETCFS_REQUIRE_MOUNT_TESTS").is_none(),
-            "enable_uring is off and ETCFS_REQUIRE_MOUNT_TESTS is set"
-        );
-        eprintln!("SKIP: notifications_on_uring: enable_uring is off");
+    if !common::uring_tests_possible("notifications_on_uring") {
         return;
     }
     notifications_drop_kernel_caches(TransportChoice::Uring);

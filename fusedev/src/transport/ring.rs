@@ -193,6 +193,8 @@ struct Peers {
     /// Per worker: requests it holds in service (taken from the kernel, not yet committed).
     /// Only that worker writes its slot; the others read it at commits.
     load: Vec<LoadSlot>,
+    /// Entries registered by all workers: as many as any one worker may come to hold.
+    entries: usize,
     /// Entries not ended by the kernel, wherever they are; the session ends at zero.
     live: AtomicUsize,
     /// The worker that registered each queue (indexed by queue id).
@@ -256,14 +258,15 @@ impl Peers {
     fn new(
         handoff: Vec<(Sender<Entry>, Waker)>,
         home: Vec<usize>,
-        live: usize,
+        entries: usize,
         share_above: usize,
     ) -> Peers {
         let handoff_len = handoff.len();
         Peers {
             load: (0..handoff_len).map(|_| LoadSlot::default()).collect(),
             handoff,
-            live: AtomicUsize::new(live),
+            entries,
+            live: AtomicUsize::new(entries),
             moved_to: (0..home.len()).map(|_| AtomicUsize::new(AT_HOME)).collect(),
             arenas: ArenaExchange::new(handoff_len),
             home,
@@ -575,7 +578,11 @@ impl<'a> Worker<'a> {
                 });
             }
         }
-        let (completions_tx, completions_rx) = crossbeam_channel::bounded(entries_max.max(1));
+        // Room for every entry of the session, not only this worker's own: entries other
+        // workers pass it are served here too, and each holds at most one deferred reply.
+        // A completion that found the channel full would be dropped and its request never
+        // answered (the two-process hang of 2026-12-07).
+        let (completions_tx, completions_rx) = crossbeam_channel::bounded(peers.entries.max(1));
         let mut w = Worker {
             shared,
             core,
