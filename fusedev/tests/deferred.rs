@@ -167,3 +167,80 @@ fn a_burst_of_deferred_replies_reaches_workers_holding_passed_entries() {
         "no entry moved between workers: the rounds did not test what they are for"
     );
 }
+
+/// Defers every GETATTR of `f` and never answers it: a handler that lost its reply.
+#[derive(Default)]
+struct NeverAnswers {
+    held: Mutex<Vec<DeferredReply>>,
+}
+
+impl Handler for NeverAnswers {
+    fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
+        match &req.op {
+            Operation::Lookup { name } if req.header.nodeid == 1 && *name == b"f" => {
+                let e = EntryOut::new(1, LONG, Duration::ZERO, attr(FILE_INO));
+                Reply::Bytes(reply::entry(out, &e).expect("fits"))
+            }
+            Operation::Getattr { .. } if req.header.nodeid == FILE_INO => match ctx.defer() {
+                Some(d) => {
+                    self.held.lock().expect("held replies").push(d);
+                    Reply::Deferred
+                }
+                None => Reply::Error(Errno::EIO),
+            },
+            Operation::Getattr { .. } => {
+                let a = AttrOut::new(LONG, attr(req.header.nodeid));
+                Reply::Bytes(reply::attr(out, &a).expect("fits"))
+            }
+            Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
+            _ => Reply::Error(Errno::ENOSYS),
+        }
+    }
+}
+
+/// Found with the hang above: a daemon whose connection was aborted through
+/// /sys/fs/fuse/connections/N/abort kept running, its workers waiting for entries held as
+/// deferred replies that never came, and with them its cluster locks and lease.
+#[test]
+fn a_session_ends_when_its_connection_is_aborted_with_replies_owed() {
+    const T: &str = "a_session_ends_when_its_connection_is_aborted_with_replies_owed";
+    if !common::uring_tests_possible(T) {
+        return;
+    }
+    let fs = Arc::new(NeverAnswers::default());
+    let mut m = common::mount(
+        fs.clone(),
+        "aborted",
+        &common::small_config(TransportChoice::Uring),
+    );
+    let file = m.dir.join("f");
+    let (stat_tx, stat_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = stat_tx.send(std::fs::metadata(&file).map(drop));
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while fs.held.lock().expect("held replies").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the GETATTR never reached the handler"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    m.abort();
+    let stat = stat_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the stat returns once the connection is aborted");
+    assert!(
+        stat.is_err(),
+        "the stat was never answered, so it must fail"
+    );
+    let session = m.session.take().expect("session");
+    let (ended_tx, ended_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        session.wait();
+        let _ = ended_tx.send(());
+    });
+    ended_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the session ends within 10 s of the abort");
+}

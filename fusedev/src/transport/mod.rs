@@ -358,9 +358,9 @@ impl Session {
         }
         if use_ring {
             // FORGET, INTERRUPT and requests queued before the ring became ready come here.
-            let s = shared.clone();
+            let (s, w) = (shared.clone(), wakers.clone());
             sideband_thread = Some(spawn("etcfs-sideband", move || {
-                sideband(&s, sideband_core)
+                sideband(&s, sideband_core, &w)
             })?);
             match ring::start(&shared, cfg, &wakers) {
                 Ok(t) => {
@@ -911,7 +911,13 @@ pub(crate) fn pread_full(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<u
 /// The blocking reader of the connection's original `/dev/fuse` descriptor, used beside the
 /// ring: the kernel keeps FORGET, BATCH_FORGET and INTERRUPT on the classic queue, and any
 /// request allocated before the ring became ready is read here too.
-fn sideband(shared: &Shared, core: usize) {
+///
+/// When the connection ends (unmounted, or aborted through
+/// `/sys/fs/fuse/connections/N/abort`) it stops the ring workers too. They would end
+/// anyway once every entry has, but an entry whose reply never comes (a handler that
+/// loses a deferred reply) would otherwise keep the daemon, its cluster locks and its
+/// lease alive with no mount to serve.
+fn sideband(shared: &Shared, core: usize, wakers: &Mutex<Vec<Waker>>) {
     let recorder = shared.perf.core(core);
     let size = shared.negotiated.max_write as usize + REQUEST_HEADER_ROOM;
     let mut inbuf = vec![0u8; size];
@@ -921,14 +927,24 @@ fn sideband(shared: &Shared, core: usize) {
         // SAFETY: reads into a live, writable buffer of the length passed.
         let n = unsafe { libc::read(fd, inbuf.as_mut_ptr().cast(), inbuf.len()) };
         if n < 0 {
-            match io::Error::last_os_error().raw_os_error() {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
                 Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => continue,
-                Some(libc::ENODEV) => break,
+                Some(libc::ENODEV) => {}
+                Some(libc::ECONNABORTED) => {
+                    log::warn!("the FUSE connection was aborted: stopping the workers")
+                }
                 _ => {
-                    log::warn!("sideband read: {}", io::Error::last_os_error());
+                    // Not the connection's end: the ring workers serve on.
+                    log::warn!("sideband read: {e}");
                     break;
                 }
             }
+            shared.stop.store(true, Ordering::SeqCst);
+            for w in wakers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                w.wake();
+            }
+            break;
         }
         let msg = &inbuf[..n as usize];
         let req = match request::decode(msg) {

@@ -56,6 +56,7 @@ pub(crate) struct Mounted {
     pub(crate) perf: Arc<perf::Registry>,
     /// The connection's number under /sys/fs/fuse/connections.
     pub(crate) connection: u64,
+    mount: Arc<Mount>,
 }
 
 impl Mounted {
@@ -78,6 +79,11 @@ impl Drop for Mounted {
         if let Some(s) = self.session.take() {
             s.stopper().shutdown();
             s.wait();
+        }
+        // A test that took the session out (to wait for it) leaves the mount to us; a no-op
+        // when the session's shutdown unmounted it.
+        if let Err(e) = self.mount.unmount() {
+            eprintln!("cannot unmount {}: {e}", self.dir.display());
         }
         let _ = std::fs::remove_dir(&self.dir);
     }
@@ -122,7 +128,7 @@ pub(crate) fn mount(fs: Arc<dyn Handler>, name: &str, cfg: &SessionConfig) -> Mo
         cfg.cpus.len() + 1,
         false,
     );
-    let session = Session::start(mnt, fs, perf.clone(), cfg, true).expect("start session");
+    let session = Session::start(mnt.clone(), fs, perf.clone(), cfg, true).expect("start session");
     let dev = std::fs::metadata(&dir).expect("stat the mount").dev();
     Mounted {
         dir,
@@ -130,5 +136,6 @@ pub(crate) fn mount(fs: Arc<dyn Handler>, name: &str, cfg: &SessionConfig) -> Mo
         perf,
         // The minor number of the connection's anonymous device.
         connection: libc::minor(dev).into(),
+        mount: mnt,
     }
 }
