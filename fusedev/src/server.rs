@@ -144,25 +144,21 @@ impl DeferredReply {
         // defers at most once, so it is never full: a full one is a bug that leaves the
         // request unanswered, said loudly. A closed channel means the connection is gone and
         // there is nobody left to answer.
-        match self.completions.try_send(DeferredCompletion {
+        let completion = DeferredCompletion {
             token: self.token,
             outcome,
-        }) {
-            Ok(()) => {}
-            Err(TrySendError::Full(c)) => {
-                log::error!(
-                    "deferred reply for entry {} dropped: the core's completion channel is \
-                     full; its request stays unanswered",
-                    c.token
-                );
-                return;
-            }
+        };
+        match self.completions.try_send(completion) {
+            Ok(()) => self.waker.wake(),
+            Err(TrySendError::Full(c)) => log::error!(
+                "deferred reply for entry {} dropped: the core's completion channel is full; \
+                 its request stays unanswered",
+                c.token
+            ),
             Err(TrySendError::Disconnected(_)) => {
-                log::debug!("deferred reply dropped: the session has ended");
-                return;
+                log::debug!("deferred reply dropped: the session has ended")
             }
         }
-        self.waker.wake();
     }
 }
 

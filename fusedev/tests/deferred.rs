@@ -29,11 +29,22 @@ const LONG: Duration = Duration::from_secs(3600);
 /// Root holds one file `f` whose attributes are never cached, so every stat of it is a
 /// GETATTR. Those are deferred and held until `together` of them are, then all answered at
 /// once from the thread of the last one: a burst of completions to whichever workers hold
-/// the entries.
-struct AnswerTogether {
-    together: usize,
+/// the entries. With `together` `None` they are held for ever: a handler that lost its
+/// replies.
+struct HoldsGetattrs {
+    together: Option<usize>,
     held: Mutex<Vec<DeferredReply>>,
     answered: AtomicUsize,
+}
+
+impl HoldsGetattrs {
+    fn new(together: Option<usize>) -> HoldsGetattrs {
+        HoldsGetattrs {
+            together,
+            held: Mutex::new(Vec::new()),
+            answered: AtomicUsize::new(0),
+        }
+    }
 }
 
 fn attr(ino: u64) -> Attr {
@@ -51,7 +62,7 @@ fn attr(ino: u64) -> Attr {
     }
 }
 
-impl Handler for AnswerTogether {
+impl Handler for HoldsGetattrs {
     fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
         match &req.op {
             Operation::Lookup { name } if req.header.nodeid == 1 && *name == b"f" => {
@@ -68,7 +79,7 @@ impl Handler for AnswerTogether {
                 };
                 let mut held = self.held.lock().expect("held replies");
                 held.push(d);
-                if held.len() == self.together {
+                if Some(held.len()) == self.together {
                     let all = std::mem::take(&mut *held);
                     drop(held);
                     let mut args = vec![0u8; 256];
@@ -114,11 +125,7 @@ fn a_burst_of_deferred_replies_reaches_workers_holding_passed_entries() {
     let cpus = &cpus[..2];
     // One thread per entry, half on each CPU: every round has every entry in service.
     let threads = 2 * PER_QUEUE;
-    let fs = Arc::new(AnswerTogether {
-        together: threads,
-        held: Mutex::new(Vec::new()),
-        answered: AtomicUsize::new(0),
-    });
+    let fs = Arc::new(HoldsGetattrs::new(Some(threads)));
     let mut cfg = common::small_config(TransportChoice::Uring);
     cfg.cpus = cpus.to_vec();
     cfg.ring_entries_per_queue = PER_QUEUE;
@@ -168,36 +175,6 @@ fn a_burst_of_deferred_replies_reaches_workers_holding_passed_entries() {
     );
 }
 
-/// Defers every GETATTR of `f` and never answers it: a handler that lost its reply.
-#[derive(Default)]
-struct NeverAnswers {
-    held: Mutex<Vec<DeferredReply>>,
-}
-
-impl Handler for NeverAnswers {
-    fn handle(&self, ctx: &RequestCtx<'_>, req: &Request<'_>, out: &mut [u8]) -> Reply {
-        match &req.op {
-            Operation::Lookup { name } if req.header.nodeid == 1 && *name == b"f" => {
-                let e = EntryOut::new(1, LONG, Duration::ZERO, attr(FILE_INO));
-                Reply::Bytes(reply::entry(out, &e).expect("fits"))
-            }
-            Operation::Getattr { .. } if req.header.nodeid == FILE_INO => match ctx.defer() {
-                Some(d) => {
-                    self.held.lock().expect("held replies").push(d);
-                    Reply::Deferred
-                }
-                None => Reply::Error(Errno::EIO),
-            },
-            Operation::Getattr { .. } => {
-                let a = AttrOut::new(LONG, attr(req.header.nodeid));
-                Reply::Bytes(reply::attr(out, &a).expect("fits"))
-            }
-            Operation::Forget { .. } | Operation::BatchForget { .. } => Reply::None,
-            _ => Reply::Error(Errno::ENOSYS),
-        }
-    }
-}
-
 /// Found with the hang above: a daemon whose connection was aborted through
 /// /sys/fs/fuse/connections/N/abort kept running, its workers waiting for entries held as
 /// deferred replies that never came, and with them its cluster locks and lease.
@@ -207,7 +184,7 @@ fn a_session_ends_when_its_connection_is_aborted_with_replies_owed() {
     if !common::uring_tests_possible(T) {
         return;
     }
-    let fs = Arc::new(NeverAnswers::default());
+    let fs = Arc::new(HoldsGetattrs::new(None));
     let mut m = common::mount(
         fs.clone(),
         "aborted",

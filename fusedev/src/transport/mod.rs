@@ -402,10 +402,7 @@ impl Session {
     /// issued afterwards find no server (they fail with ENOTCONN once the device closes).
     pub fn stop(&self) {
         self.shared.notify_gate.close_and_drain();
-        self.shared.stop.store(true, Ordering::SeqCst);
-        for w in self.wakers.lock().expect("waker list").iter() {
-            w.wake();
-        }
+        stop_workers(&self.shared, &self.wakers);
     }
 
     /// A handle for cache invalidations on this connection.
@@ -548,18 +545,23 @@ impl Stopper {
             Ok(false) => {}
             Err(e) => log::warn!("unmount failed: {e}"),
         }
-        self.shared.stop.store(true, Ordering::SeqCst);
-        for w in self.wakers.lock().expect("waker list").iter() {
-            w.wake();
-        }
+        stop_workers(&self.shared, &self.wakers);
     }
 }
 
-fn stop_and_join(shared: &Shared, wakers: &Mutex<Vec<Waker>>, threads: Vec<JoinHandle<()>>) {
+/// Asks every worker to stop, and wakes them to see it.
+fn stop_workers(shared: &Shared, wakers: &Mutex<Vec<Waker>>) {
     shared.stop.store(true, Ordering::SeqCst);
-    for w in wakers.lock().expect("waker list").drain(..) {
+    for w in wakers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         w.wake();
     }
+}
+
+/// Stops and joins `threads`, and forgets their wakers (the workers that replace them
+/// register their own).
+fn stop_and_join(shared: &Shared, wakers: &Mutex<Vec<Waker>>, threads: Vec<JoinHandle<()>>) {
+    stop_workers(shared, wakers);
+    wakers.lock().unwrap_or_else(|e| e.into_inner()).clear();
     for t in threads {
         let _ = t.join();
     }
@@ -940,10 +942,7 @@ fn sideband(shared: &Shared, core: usize, wakers: &Mutex<Vec<Waker>>) {
                     break;
                 }
             }
-            shared.stop.store(true, Ordering::SeqCst);
-            for w in wakers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-                w.wake();
-            }
+            stop_workers(shared, wakers);
             break;
         }
         let msg = &inbuf[..n as usize];

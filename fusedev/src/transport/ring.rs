@@ -173,10 +173,10 @@ impl std::ops::Deref for LoadSlot {
 /// than [`Peers::quiet_load`] at any commit for a queue it serves for
 /// [`QUEUE_RETURN_QUIET`]. Every entry of the queue is then committed through that worker,
 /// which serves the requests those entries get until it has been quiet in the same sense
-/// again, or its own queue goes above the mark. The queue moves whole and comes back only after a quiet spell
-/// because a process at depth 32 has between a handful and all of its requests in
-/// service within one burst of device completions: entries moved one by one at such a
-/// mark bounced at every burst. Beside that, a worker serving a queue with more than the
+/// again, or its own queue goes above the mark. The queue moves whole and comes back only
+/// after a quiet spell because a process at depth 32 has between a handful and all of its
+/// requests in service within one burst of device completions: entries moved one by one
+/// at such a mark bounced at every burst. Beside that, a worker serving a queue with more than the
 /// mark in service passes single entries to a less busy worker, which gives them back once
 /// the first is down to half the mark; with a moved queue that brings the process's own
 /// CPU in to help. At low load every entry is at home, so a request is served on the CPU
