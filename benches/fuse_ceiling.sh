@@ -7,6 +7,10 @@
 #          entries per queue as the deepest depth), whose /big is served from memory: the
 #          kernel's FUSE round trip and nothing else;
 #   etcfs  `etcfs mount --transport uring` with its defaults, on a device image;
+#   devprobe  fusedev's transport with no filesystem behind it (fusedev/examples/devprobe.rs,
+#          with etcfs's transport defaults): /big is the raw file, each READ answered by a
+#          device read of it as etcfs plans one. etcfs / devprobe is what etcfs's filesystem
+#          costs; devprobe / raw is the transport's and the kernel's FUSE path's share;
 #   raw-busy  the raw file again, fio pinned to the last CPU while a busy loop holds CPU 0:
 #          what the device gives when a second CPU is as busy as a FUSE server keeps it.
 #          On a VM whose vCPUs share host cores with the device's emulation this is far
@@ -28,15 +32,17 @@
 # apt-get if missing.
 #
 # usage: benches/fuse_ceiling.sh [--rounds R] [--fio-secs S] [--fio-size SIZE]
-#            [--depths "1 32"] [--etcfs PATH] [--targets "raw probe etcfs raw-busy"]
+#            [--depths "1 32"] [--etcfs PATH] [--devprobe PATH]
+#            [--targets "raw probe etcfs raw-busy devprobe"]
 set -euo pipefail
 
 ROUNDS=5
 FIO_SECS=5
 FIO_SIZE=512M
 DEPTHS="1 32"
-TARGETS="raw probe etcfs raw-busy"
+TARGETS="raw probe devprobe etcfs raw-busy"
 ETCFS_ARG=""
+DEVPROBE_ARG=""
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--rounds) ROUNDS=$2; shift 2 ;;
@@ -44,8 +50,9 @@ while [ $# -gt 0 ]; do
 	--fio-size) FIO_SIZE=$2; shift 2 ;;
 	--depths) DEPTHS=$2; shift 2 ;;
 	--etcfs) ETCFS_ARG=$2; shift 2 ;;
+	--devprobe) DEVPROBE_ARG=$2; shift 2 ;;
 	--targets) TARGETS=$2; shift 2 ;;
-	-h | --help) sed -n '2,25p' "$0"; exit 0 ;;
+	-h | --help) sed -n '2,30p' "$0"; exit 0 ;;
 	*) echo "fuse_ceiling.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
 	esac
 done
@@ -55,6 +62,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 . "$ROOT/benches/lib.sh"
 PROBE_SRC=${PROBE_SRC:-$ROOT/../shared/reference/probe-src/fuse_uring_probe.c}
 ETCFS=${ETCFS_ARG:-${CARGO_TARGET_DIR:-$ROOT/target}/release/etcfs}
+DEVPROBE=${DEVPROBE_ARG:-${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/devprobe}
 URING_PARAM=/sys/module/fuse/parameters/enable_uring
 
 log() { echo "[fuse_ceiling.sh $(date +%H:%M:%S)] $*" >&2; }
@@ -101,6 +109,15 @@ MAX_DEPTH=$(tr ' ' '\n' <<<"$DEPTHS" | sort -n | tail -1)
 if [[ " $TARGETS " == *" probe "* ]]; then
 	build_probe "$PROBE_SRC" "$WORK"
 fi
+if [[ " $TARGETS " == *" devprobe "* ]]; then
+	if [ ! -x "$DEVPROBE" ] && [ -z "${DEVPROBE_ARG:-}" ]; then
+		log "building devprobe"
+		(cd "$ROOT" && cargo build --release -q -p etcfs-fusedev --example devprobe) || die "building devprobe failed"
+	fi
+	[ -x "$DEVPROBE" ] || die "no $DEVPROBE (cargo build --release -p etcfs-fusedev --example devprobe)"
+	cp "$DEVPROBE" "$WORK/devprobe"
+	DEVPROBE=$WORK/devprobe
+fi
 if [[ " $TARGETS " == *" etcfs "* ]]; then
 	need etcd etcd-server
 	need etcdctl etcd-client
@@ -140,6 +157,10 @@ start() { # TARGET: mounts it (raw: nothing) and sets FILE
 		start_probe_server "$WORK/probe" -d "$MAX_DEPTH"
 		FILE=$MNT/big
 		;;
+	devprobe)
+		start_probe_server "$DEVPROBE" "$IMGDIR/raw.dat"
+		FILE=$MNT/big
+		;;
 	etcfs)
 		mount_etcfs "$ETCFS" "$ETCD_URL" "$IMGDIR/device.img" ceiling "$MNT" "$WORK/daemon.log" \
 			--transport uring || die "etcfs did not mount"
@@ -147,7 +168,7 @@ start() { # TARGET: mounts it (raw: nothing) and sets FILE
 		pids=()
 		FILE=$MNT/fio.dat
 		;;
-	*) die "unknown target $1 (raw, probe, etcfs, raw-busy)" ;;
+	*) die "unknown target $1 (raw, probe, etcfs, raw-busy, devprobe)" ;;
 	esac
 }
 
@@ -163,7 +184,7 @@ cpu_ticks() {
 # all_ticks: every tick of every CPU (for the steal share).
 all_ticks() { awk '/^cpu / {t = 0; for (i = 2; i <= NF; i++) t += $i; print t}' /proc/stat; }
 
-if [[ " $TARGETS " == *" raw "* || " $TARGETS " == *" raw-busy "* ]]; then
+if [[ " $TARGETS " =~ \ (raw|raw-busy|devprobe)\  ]]; then
 	log "laying out $FIO_SIZE on the raw file"
 	layout "$IMGDIR/raw.dat"
 fi
@@ -221,9 +242,11 @@ def cell(v, digits=0):
     return f"{statistics.median(v):,.{digits}f} ({v[0]:,.{digits}f}–{v[-1]:,.{digits}f})".replace(",", " ")
 def series(t, d, m):
     return [R[(r, t, d)][m] for r in rounds if (r, t, d) in R]
-names = {"raw": "raw file", "probe": "probe (memory)", "etcfs": "etcfs", "raw-busy": "raw, CPU 0 busy"}
+names = {"raw": "raw file", "probe": "probe (memory)", "etcfs": "etcfs", "raw-busy": "raw, CPU 0 busy",
+         "devprobe": "devprobe (no filesystem)"}
 head = [f"{names[t]} IOPS" for t in targets] + [f"{names[t]} clat p50 µs" for t in targets]
-pairs = [(a, b) for a, b in (("probe", "raw"), ("etcfs", "raw"), ("etcfs", "probe"), ("raw-busy", "raw"), ("etcfs", "raw-busy")) if a in targets and b in targets]
+pairs = [(a, b) for a, b in (("probe", "raw"), ("etcfs", "raw"), ("etcfs", "probe"), ("raw-busy", "raw"), ("etcfs", "raw-busy"),
+                                     ("devprobe", "raw"), ("etcfs", "devprobe")) if a in targets and b in targets]
 head += [f"{a} / {b} IOPS" for a, b in pairs]
 print("| QD | " + " | ".join(head) + " |")
 print("|---" * (len(head) + 1) + "|")
