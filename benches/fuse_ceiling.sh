@@ -160,6 +160,12 @@ start() { # TARGET: mounts it (raw: nothing) and sets FILE
 	devprobe)
 		start_probe_server "$DEVPROBE" "$IMGDIR/raw.dat"
 		FILE=$MNT/big
+		# Its reads must be the raw file's bytes, or it measures nothing: the first and
+		# an unaligned MiB through O_DIRECT and through the page cache.
+		cmp -s <(dd if="$FILE" bs=1M count=1 iflag=direct status=none) \
+			<(dd if="$IMGDIR/raw.dat" bs=1M count=1 status=none) &&
+			cmp -s <(tail -c +777 "$FILE" | head -c 1048576) <(tail -c +777 "$IMGDIR/raw.dat" | head -c 1048576) ||
+			die "devprobe's /big differs from the raw file"
 		;;
 	etcfs)
 		mount_etcfs "$ETCFS" "$ETCD_URL" "$IMGDIR/device.img" ceiling "$MNT" "$WORK/daemon.log" \
