@@ -64,7 +64,7 @@ impl Mounted {
     /// process waits on one forever (a process cannot exit while it does, and its /dev/fuse
     /// descriptor, whose closing would end them, closes only when it exits).
     pub(crate) fn abort(&self) {
-        let path = format!("/sys/fs/fuse/connections/{}/abort", self.connection);
+        let path = format!("{FUSECTL}/{}/abort", self.connection);
         if let Err(e) = std::fs::write(&path, "1") {
             eprintln!("cannot abort the connection through {path}: {e}");
         }
@@ -102,6 +102,26 @@ pub(crate) fn small_config(transport: TransportChoice) -> SessionConfig {
     }
 }
 
+/// Where the kernel lists FUSE connections. Not every machine mounts it at boot (a CI
+/// machine did not, and the abort test could not find its connection), so the tests mount
+/// it when it is missing.
+const FUSECTL: &str = "/sys/fs/fuse/connections";
+
+fn ensure_fusectl() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if fusedev::mount::is_mount_point(Path::new(FUSECTL)).unwrap_or(false) {
+            return;
+        }
+        let status = std::process::Command::new("mount")
+            .args(["-t", "fusectl", "fusectl", FUSECTL])
+            .status();
+        if !matches!(status, Ok(s) if s.success()) {
+            eprintln!("cannot mount fusectl at {FUSECTL}: {status:?}");
+        }
+    });
+}
+
 /// Mounts `fs` at a fresh directory named after `name` and serves it with `cfg`.
 pub(crate) fn mount(fs: Arc<dyn Handler>, name: &str, cfg: &SessionConfig) -> Mounted {
     let dir = std::env::temp_dir().join(format!(
@@ -119,6 +139,7 @@ pub(crate) fn mount(fs: Arc<dyn Handler>, name: &str, cfg: &SessionConfig) -> Mo
         uid: 0,
         gid: 0,
     };
+    ensure_fusectl();
     let mnt = Arc::new(Mount::new(&dir, &opts).expect("mount"));
     let names: Vec<&'static str> = Opcode::NAMES.to_vec();
     let perf = perf::Registry::new(
