@@ -412,23 +412,29 @@ impl EtcdBackend {
         let probe = RangeRequest::key(cfg.probe_key.clone())
             .limit(1)
             .keys_only();
+        // An attempt cut short by the deadline says nothing, so the last error that did is
+        // kept: a loaded CI machine reported a rogue CA as "did not answer" when its last
+        // attempt had only a few milliseconds left.
+        let mut said: Option<KvError> = None;
         let mut pause = Duration::from_millis(50);
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let err =
-                match tokio::time::timeout(left.min(PROBE_ATTEMPT), backend.range(probe.clone()))
-                    .await
-                {
-                    Ok(Ok(_)) => return Ok(backend),
-                    Ok(Err(e @ KvError::Unavailable(_))) => e,
-                    Ok(Err(e)) => return Err(e),
-                    Err(_) => silent(),
-                };
+            match tokio::time::timeout(left.min(PROBE_ATTEMPT), backend.range(probe.clone())).await
+            {
+                Ok(Ok(_)) => return Ok(backend),
+                Ok(Err(e @ KvError::Unavailable(_))) => said = Some(e),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => {}
+            }
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if !cfg.probe_retry || left <= pause {
-                return Err(err);
+                return Err(said.unwrap_or_else(silent));
             }
-            log::debug!("etcd probe: {err}; trying again");
+            log::debug!(
+                "etcd probe: {}; trying again",
+                said.as_ref()
+                    .map_or_else(|| silent().to_string(), ToString::to_string)
+            );
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(400));
         }
