@@ -371,7 +371,7 @@ impl Inner {
                 break;
             }
             after = page.entries.last().map(|e| e.name.clone());
-            page_entries = (page_entries * 4).min(DIR_PAGE_ENTRIES_MAX);
+            page_entries = next_page_entries(page_entries);
         }
         // The entry is gone; its cookie still orders nothing, so resume from the start
         // would repeat names. Report the end of the directory instead.
@@ -383,6 +383,12 @@ impl Inner {
             self.dir_ahead_bytes.fetch_sub(a.bytes, Ordering::Relaxed);
         }
     }
+}
+
+/// The size of the page read after one of `entries`: listings and cookie scans start
+/// small and grow, so a short directory costs one small read and a big one a few large.
+fn next_page_entries(entries: usize) -> usize {
+    (entries * 4).min(DIR_PAGE_ENTRIES_MAX)
 }
 
 /// A listing's position and the entries of its last etcd page not yet served: the next
@@ -444,6 +450,6 @@ impl Lookahead {
         }
         self.bytes += page.entries.iter().map(|e| e.name.len()).sum::<usize>();
         self.entries.extend(page.entries);
-        self.page = (self.page * 4).min(DIR_PAGE_ENTRIES_MAX);
+        self.page = next_page_entries(self.page);
     }
 }

@@ -1015,15 +1015,21 @@ fn lookups_in_inode_order_take_the_directorys_locks_in_bulk() {
     );
 }
 
+/// Creates `n` empty files `f00000`... in the root; their names, sorted.
+fn create_files(fx: &mut Fx, n: usize) -> Vec<Vec<u8>> {
+    let mut names: Vec<Vec<u8>> = (0..n).map(|i| format!("f{i:05}").into_bytes()).collect();
+    for name in &names {
+        let (i, fh) = fx.create(ROOT, name);
+        fx.release(i, fh);
+    }
+    names.sort();
+    names
+}
+
 #[test]
 fn a_listing_reads_each_entry_from_etcd_once() {
     let mut fx = Fx::new();
-    let mut want: Vec<Vec<u8>> = (0..1500).map(|i| format!("f{i:05}").into_bytes()).collect();
-    for n in &want {
-        let (i, fh) = fx.create(ROOT, n);
-        fx.release(i, fh);
-    }
-    want.sort();
+    let want = create_files(&mut fx, 1500);
     for plus in [false, true] {
         let o: OpenOut = parse(&fx.ok(ROOT, Operation::Opendir { flags: 0 }));
         let (names, calls, used) = list_all(&mut fx, o.fh, plus);
@@ -1056,12 +1062,7 @@ fn a_listing_reads_each_entry_from_etcd_once() {
 #[test]
 fn a_new_handle_resumes_deep_in_a_big_directory_in_a_few_reads() {
     let mut fx = Fx::new();
-    let mut want: Vec<Vec<u8>> = (0..6000).map(|i| format!("f{i:05}").into_bytes()).collect();
-    for n in &want {
-        let (i, fh) = fx.create(ROOT, n);
-        fx.release(i, fh);
-    }
-    want.sort();
+    let want = create_files(&mut fx, 6000);
     let first: OpenOut = parse(&fx.ok(ROOT, Operation::Opendir { flags: 0 }));
     let (names, _, _) = list_all(&mut fx, first.fh, false);
     assert_eq!(names[2..], want[..]);
